@@ -1,0 +1,207 @@
+"""Prompt datasets for RL: load (prompt, reference answer) rows, tokenize them, and deal them out to ranks.
+
+RL post-training reads only prompts and the answers the reward checks against; the model writes the rest.
+Rows come from the built-in synthetic task, a local .jsonl/.json/.parquet file, or a Hugging Face hub dataset.
+`PromptSampler` gives every data-parallel rank its slice of the same seeded global batch, so a run on 1 rank
+and on N ranks sees the same prompts, and a resumed run continues with exactly the batches it would have seen.
+"""
+
+import os
+
+import datasets
+import torch
+
+LOCAL_FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _first_line(error: Exception) -> str:
+    """Library errors can run to pages; one line of them is enough to say what went wrong."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _read_local_file(path: str) -> datasets.Dataset:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"dataset file is empty: {path}")
+    loader = LOCAL_FILE_LOADERS[os.path.splitext(path)[1]]
+    try:
+        return datasets.load_dataset(loader, data_files=path, split="train")
+    except Exception as error:
+        raise ValueError(f"could not read {path} (empty or malformed?): {_first_line(error)}") from error
+
+
+def _read_hub(dataset: str, config: str | None, split: str | None):
+    """Returns a Dataset for one split, or a DatasetDict of all splits when split is None."""
+    try:
+        return datasets.load_dataset(dataset, config, split=split)
+    except Exception as error:
+        raise ValueError(
+            f"could not load hub dataset {dataset!r} (config={config!r}, split={split!r}): the hub could not be "
+            f"reached or the dataset/split does not exist ({_first_line(error)}); "
+            f"a local .jsonl/.json/.parquet path works too"
+        ) from error
+
+
+def _rows_from_table(table: datasets.Dataset, prompt_key: str, answer_key: str, source: str) -> list[dict]:
+    missing = [key for key in (prompt_key, answer_key) if key not in table.column_names]
+    if missing:
+        raise ValueError(f"{source}: missing column(s) {missing}; existing columns: {table.column_names}")
+    if len(table) == 0:
+        raise ValueError(f"{source}: dataset is empty (0 rows)")
+    rows = []
+    for index, (prompt, answer) in enumerate(zip(table[prompt_key], table[answer_key])):
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{source}: row {index} column {prompt_key!r}: prompt must be a string, got {type(prompt).__name__}"
+            )
+        if not prompt.strip():
+            raise ValueError(f"{source}: row {index} column {prompt_key!r}: prompt is empty or whitespace-only")
+        # Numeric answers (GSM8K-style) are fine as text; lists, dicts and nulls have no single sensible string.
+        if not isinstance(answer, (str, int, float)):
+            raise ValueError(
+                f"{source}: row {index} column {answer_key!r}: answer must be a string or a number, "
+                f"got {type(answer).__name__}"
+            )
+        rows.append({"prompt": prompt, "answer": str(answer)})
+    return rows
+
+
+def _is_local_file(dataset: str) -> bool:
+    return os.path.splitext(dataset)[1] in LOCAL_FILE_LOADERS
+
+
+def load_rows(
+    dataset: str | None, split: str, prompt_key: str, answer_key: str, config: str | None = None
+) -> list[dict]:
+    """[{"prompt": str, "answer": str}, ...] from the built-in synthetic task (dataset None), a local file, or the hub.
+
+    A local file has a single split, so `split` is ignored for it (load_train_eval holds out eval rows instead).
+    """
+    if dataset is None:
+        from common.synthetic import make_synthetic_rows  # imported lazily: only the built-in task needs it
+
+        return make_synthetic_rows(split)
+    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
+    return _rows_from_table(table, prompt_key, answer_key, source=dataset)
+
+
+def _hold_out(rows: list[dict], eval_size: int, seed: int, source: str) -> tuple[list[dict], list[dict]]:
+    if eval_size >= len(rows):
+        raise ValueError(f"{source}: eval_size={eval_size} leaves none of its {len(rows)} rows for training")
+    permutation = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    split_at = len(rows) - eval_size
+    return [rows[i] for i in permutation[:split_at]], [rows[i] for i in permutation[split_at:]]
+
+
+def load_train_eval(
+    dataset: str | None,
+    prompt_key: str,
+    answer_key: str,
+    config: str | None = None,
+    train_split: str = "train",
+    eval_split: str = "test",
+    eval_size: int = 256,
+    seed: int = 0,
+) -> tuple[list[dict], list[dict]]:
+    """(train_rows, eval_rows), disjoint, at most eval_size eval rows. Without an eval split, a seeded hold-out."""
+    if dataset is None:
+        from common.synthetic import make_synthetic_rows
+
+        return make_synthetic_rows("train"), make_synthetic_rows("test")[:eval_size]
+    if _is_local_file(dataset):
+        return _hold_out(load_rows(dataset, train_split, prompt_key, answer_key), eval_size, seed, dataset)
+    splits = _read_hub(dataset, config, split=None)  # one download gives every split and tells which exist
+    if train_split not in splits:
+        raise ValueError(f"{dataset}: no split {train_split!r}; existing splits: {list(splits)}")
+    train_rows = _rows_from_table(splits[train_split], prompt_key, answer_key, f"{dataset}[{train_split}]")
+    if eval_split not in splits:
+        return _hold_out(train_rows, eval_size, seed, dataset)
+    eval_table = splits[eval_split]
+    eval_table = eval_table.select(range(min(eval_size, len(eval_table))))
+    return train_rows, _rows_from_table(eval_table, prompt_key, answer_key, f"{dataset}[{eval_split}]")
+
+
+def tokenize_prompts(
+    rows: list[dict], tokenizer, max_prompt_len: int, use_chat_template: bool | None = None
+) -> tuple[list[dict], int]:
+    """Returns (copies of rows with "prompt_ids" added, number dropped for being longer than max_prompt_len).
+
+    use_chat_template None means: use the tokenizer's chat template when it has one.
+    """
+    if not rows:
+        raise ValueError("no prompts to tokenize")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if use_chat_template is None:
+        use_chat_template = has_template
+    if use_chat_template and not has_template:
+        name = tokenizer.name_or_path or type(tokenizer).__name__
+        raise ValueError(f"use_chat_template=True but tokenizer {name!r} has no chat_template")
+    prompts = [row["prompt"] for row in rows]
+    if use_chat_template:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        # transformers 5 returns a BatchEncoding by default; return_dict=False gives plain lists of ids.
+        all_ids = tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    else:
+        all_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    kept = [{**row, "prompt_ids": list(ids)} for row, ids in zip(rows, all_ids) if len(ids) <= max_prompt_len]
+    if not kept:
+        lengths = [len(ids) for ids in all_ids]
+        raise ValueError(
+            f"all {len(rows)} prompts are longer than max_prompt_len={max_prompt_len} tokens "
+            f"(shortest {min(lengths)}, longest {max(lengths)})"
+        )
+    return kept, len(rows) - len(kept)
+
+
+class PromptSampler:
+    """Deterministic infinite stream of prompt batches for one data-parallel rank.
+
+    Each epoch is a permutation of all rows seeded with seed + epoch. Every rank computes the same permutation,
+    takes the next global batch (prompts_per_rank * world_size indices) and keeps its own contiguous slice.
+    """
+
+    def __init__(self, rows: list[dict], prompts_per_rank: int, rank: int, world_size: int, seed: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.rows = rows
+        self.prompts_per_rank = prompts_per_rank
+        self.rank = rank
+        self.global_batch_size = prompts_per_rank * world_size
+        if len(rows) < self.global_batch_size:
+            raise ValueError(
+                f"dataset has {len(rows)} rows, fewer than one global batch of {self.global_batch_size} "
+                f"({prompts_per_rank} prompts per rank x {world_size} ranks)"
+            )
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # index into this epoch's permutation where the next global batch starts
+        self._permutation = self._permutation_of(self.epoch)
+
+    def _permutation_of(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=generator).tolist()
+
+    def next_batch(self) -> list[dict]:
+        # The tail of an epoch that does not fill a whole global batch is dropped (those rows come back,
+        # reshuffled, in later epochs), so every global batch has the same size on every rank.
+        if self.position + self.global_batch_size > len(self.rows):
+            self.epoch += 1
+            self.position = 0
+            self._permutation = self._permutation_of(self.epoch)
+        global_batch = self._permutation[self.position : self.position + self.global_batch_size]
+        self.position += self.global_batch_size
+        start = self.rank * self.prompts_per_rank
+        return [self.rows[i] for i in global_batch[start : start + self.prompts_per_rank]]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict):
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(f"sampler state is for {state['num_rows']} rows but this dataset has {len(self.rows)}")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._permutation = self._permutation_of(self.epoch)

@@ -1,0 +1,46 @@
+"""torch.distributed set-up shared by every script: NCCL on GPUs, gloo on CPU, and errors that stop all ranks.
+
+The key idea for errors: a rank that fails alone leaves the others waiting forever in their next collective.
+So failures that can happen on one rank (a reward function that raises, say) are caught, shared with every rank,
+and raised everywhere with the failing rank's message.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Returns (rank, world_size, device). Works under torchrun and as a plain `python script.py` (1 process)."""
+    if "RANK" not in os.environ:  # plain python: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def raise_on_all_ranks(error: BaseException | None) -> None:
+    """Collective: if any rank passes an error, every rank raises it (named by rank) instead of hanging."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        if error is not None and rank == dist.get_rank():
+            raise error
+        raise RuntimeError(f"rank {rank} failed: {message}")
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sums a few Python numbers over all ranks in one collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()

@@ -1,0 +1,82 @@
+"""Policy models: load one (hub id, local directory or the built-in tiny model), shard it with FSDP2,
+and compute the log-probs of given tokens, the quantity every RL loss here is built from."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+
+def load_tokenizer(model: str | None):
+    if model is None:
+        from common.synthetic import build_tiny_tokenizer
+        tokenizer = build_tiny_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model: str | None, tokenizer, seed: int) -> torch.nn.Module:
+    """Full fp32 model on CPU, identical on every rank (same checkpoint, or the same seed for the tiny model)."""
+    if model is None:
+        from common.synthetic import tiny_model_config
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(tiny_model_config(tokenizer), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+
+
+def save_model_config(model: str | None, tokenizer, path: str) -> str:
+    """Writes config + tokenizer (no weights) where a rollout engine can read the architecture; returns the path."""
+    os.makedirs(path, exist_ok=True)
+    if model is None:
+        from common.synthetic import tiny_model_config
+        config = tiny_model_config(tokenizer)
+    else:
+        config = AutoConfig.from_pretrained(model)
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
+                trainable: bool = True) -> torch.nn.Module:
+    """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head).
+
+    On GPU the compute runs in bf16 while the sharded master weights stay fp32 and gradients are reduced in fp32;
+    on CPU everything is fp32. fully_shard moves the shards to `device`.
+    """
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"Qwen2DecoderLayer"}
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (_no_split_modules is empty)")
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)  # also moves the shards and buffers onto `device`
+    model.requires_grad_(trainable)
+    model.train(trainable)
+    return model
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of input_ids[:, 1:] given everything before them, under logits / temperature.
+
+    input_ids, attention_mask: [batch, seq], right-padded. Returns [batch, seq - 1] log-probs (and entropies).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logits = logits.float() / temperature  # [batch, seq - 1, vocab]
+    logprobs = F.log_softmax(logits, dim=-1)
+    token_lp = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # a metric only: keep it out of the autograd graph
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return token_lp, entropy

@@ -1,0 +1,97 @@
+"""Rollout engines: turn prompt token ids into sampled responses with their log-probs.
+
+Every engine has the same four methods, so the training loop never knows which one it drives:
+`generate` (token ids in, token ids and sampled-token log-probs out), `update_weights` (bring the trainer's latest
+weights in), `sleep` (free memory while training) and `check_weights` (verify the last sync).
+`HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
+(CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_rollout.py) is the real GPU path.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass
+class Completion:
+    response_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the sampling distribution (after temperature)
+    finished: bool  # ended on a stop token (False: cut at max_tokens)
+
+
+class HFRolloutEngine:
+    """Samples from the training model itself, so there are no weights to sync and nothing to sleep."""
+
+    def __init__(self, model, stop_token_ids: list[int], pad_token_id: int, rank: int = 0):
+        self.model, self.stop_token_ids, self.pad_token_id, self.rank = model, stop_token_ids, pad_token_id, rank
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
+                 seed: int, greedy: bool = False) -> list[list[Completion]]:
+        device = next(self.model.parameters()).device
+        longest = max(len(p) for p in prompt_ids)
+        # Left-pad so that every prompt ends where generation starts.
+        input_ids = torch.full((len(prompt_ids), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompt_ids):
+            input_ids[i, longest - len(p):] = torch.tensor(p)
+            attention_mask[i, longest - len(p):] = 1
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        was_training = self.model.training
+        self.model.eval()
+        # A private RNG stream per (seed, rank): sampling never disturbs the training RNG, and ranks differ.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed * 1000 + self.rank)
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                max_new_tokens=max_tokens, num_return_sequences=1 if greedy else n, eos_token_id=self.stop_token_ids,
+                pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True,
+                # FSDP2 all-gathers weights in every forward: ranks must run the same number of decode steps,
+                # so a rank whose sequences finished keeps stepping until every rank is done.
+                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1, **sampling)
+        self.model.train(was_training)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's weights gathered after forwards with no backward
+            self.model.reshard()
+        new_tokens = out.sequences[:, longest:].cpu()  # [batch * n, steps]
+        # `scores` are the processed logits (temperature, top-p applied) the token was sampled from.
+        scores = torch.stack(out.scores, dim=1).float()  # [batch * n, steps, vocab]
+        logprobs = F.log_softmax(scores, dim=-1).gather(-1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
+        completions = []
+        for row in range(new_tokens.shape[0]):
+            ids = new_tokens[row].tolist()
+            stop = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)
+            length = len(ids) if stop is None else stop + 1  # keep the stop token: the policy must learn to stop
+            completions.append(Completion(ids[:length], logprobs[row, :length].tolist(), stop is not None))
+        per_prompt = 1 if greedy else n
+        return [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
+
+    def update_weights(self, model) -> dict[str, float]:
+        return {}  # generates with the trained model itself
+
+    def sleep(self) -> None:
+        pass
+
+    def check_weights(self, model) -> None:
+        pass
+
+
+def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
+                        tp_size: int, gpu_memory: float, max_model_len: int, seed: int, enforce_eager: bool,
+                        sync_bucket_mb: int):
+    """kind: "vllm", "hf" or "auto" (vLLM when CUDA and vllm are there, else HF)."""
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+            kind = "vllm" if torch.cuda.is_available() else "hf"
+        except ImportError:
+            kind = "hf"
+    if kind == "hf":
+        return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
+    if kind == "vllm":
+        from common.vllm_rollout import VLLMRolloutEngine
+        return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
+                                 max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
+                                 enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb)
+    raise ValueError(f"--rollout-engine must be auto, hf or vllm, got {kind!r}")

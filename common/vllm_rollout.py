@@ -1,0 +1,145 @@
+"""Rollouts from a vLLM engine that lives inside the torchrun processes that train (colocated).
+
+Every rank builds the same engine with vLLM's "external_launcher" backend: rank r serves tensor-parallel shard
+r % tp of replica r // tp, using the trainer's own torch.distributed world. The ranks of one replica must feed
+it the same requests in the same order, so `generate` first gathers their prompts, and seeds every request
+explicitly. The engine starts with dummy weights; `update_weights` streams the trainer's weights in before every
+rollout (sharding/vllm_sync.py), and `sleep` hands vLLM's memory to the trainer between rollouts.
+"""
+
+import hashlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from common.rollout import Completion
+from sharding.vllm_sync import check_weight_sync, sync_weights_to_vllm
+
+
+def request_seed(step_seed: int, replica: int, request_index: int, sample_index: int) -> int:
+    """A sampling seed per request: equal on the ranks of one replica, different across replicas, steps and samples."""
+    key = f"{step_seed}/{replica}/{request_index}/{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2  # < 2**62: fits int64
+
+
+class VLLMRolloutEngine:
+    def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float, max_model_len: int,
+                 stop_token_ids: list[int], seed: int, enforce_eager: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int = 1):
+        """Call on every rank, after torch.distributed is initialised; model_path needs only config.json.
+
+        sleep_level 1 parks vLLM's weights in CPU memory while the trainer runs (they come back on wake-up,
+        then the sync overwrites them); 2 drops them, which saves that copy but leaves the engine unusable
+        until the next `update_weights`.
+        """
+        from vllm import LLM
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world % tp_size:
+            raise ValueError(f"tensor-parallel size {tp_size} must divide the world size {world}")
+        self.replica, self.tp_rank, self.tp_size = rank // tp_size, rank % tp_size, tp_size
+        self.stop_token_ids, self.dtype = list(stop_token_ids), dtype
+        self.sync_bucket_mb, self.sleep_level = sync_bucket_mb, sleep_level
+        self.asleep = False
+        # One small CPU group per replica to share prompts; every rank creates all of them, in the same order.
+        self.tp_group = None
+        if tp_size > 1:
+            for replica in range(world // tp_size):
+                group = dist.new_group(list(range(replica * tp_size, (replica + 1) * tp_size)), backend="gloo")
+                if replica == self.replica:
+                    self.tp_group = group
+        # The engine core must run in this process: vLLM asserts it for external_launcher, and reads it once.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        torch.cuda.empty_cache()  # vLLM sizes itself from the free memory: the trainer's cached blocks are not free
+        self.llm = LLM(
+            model=model_path, distributed_executor_backend="external_launcher", tensor_parallel_size=tp_size,
+            enable_sleep_mode=True, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+            load_format="dummy",  # the real weights arrive with the first update_weights
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager)
+        # vLLM's model object in this process (V1 engine, in-process executor); get_model() unwraps CUDA graphs.
+        self.vllm_model = self.llm.llm_engine.model_executor.driver_worker.worker.get_model()
+
+    def _gather_prompts(self, prompt_ids: list[list[int]]) -> list[list[list[int]]]:
+        """Prompts of every rank of this replica, by TP rank: [tp_size][num_prompts_of_that_rank][tokens]."""
+        prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+        if self.tp_group is None:
+            return [prompt_ids]
+        gathered = [None] * self.tp_size
+        dist.all_gather_object(gathered, prompt_ids, group=self.tp_group)
+        return gathered
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
+                 seed: int, greedy: bool = False, ignore_eos: bool = False) -> list[list[Completion]]:
+        """result[i] holds the completions of prompt_ids[i]: n of them, or one when greedy.
+
+        ignore_eos generates exactly max_tokens (benchmarks): stop tokens are ignored too.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep:  # rollout without a sync since the last sleep: bring back the last synced weights
+            if self.sleep_level != 1:
+                raise RuntimeError("the engine slept with level 2 and has no weights: call update_weights first")
+            torch.cuda.empty_cache()
+            self.llm.wake_up()
+            self.asleep = False
+        per_prompt = 1 if greedy else n
+        by_rank = self._gather_prompts(prompt_ids)
+        requests, params = [], []
+        for i, prompt in enumerate(p for rank_prompts in by_rank for p in rank_prompts):
+            for j in range(per_prompt):
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                params.append(SamplingParams(
+                    n=1, max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
+                    top_p=1.0 if greedy else top_p, seed=request_seed(seed, self.replica, i, j),
+                    stop_token_ids=[] if ignore_eos else self.stop_token_ids, ignore_eos=ignore_eos,
+                    logprobs=0,  # 0 extra top tokens: only the sampled token's log-prob
+                    flat_logprobs=True, detokenize=False))
+        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        first = sum(len(p) for p in by_rank[:self.tp_rank]) * per_prompt  # this rank's slice of the replica's requests
+        completions = [to_completion(o.outputs[0]) for o in outputs[first:first + len(prompt_ids) * per_prompt]]
+        return [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
+
+    def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """Collective: brings the trainer's current weights into vLLM, waking it up around them."""
+        start = time.perf_counter()
+        if self.asleep:
+            torch.cuda.empty_cache()  # return the trainer's cached blocks so vLLM can map its memory back
+            self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load them
+        synced = time.perf_counter()
+        num_bytes = sync_weights_to_vllm(model, self.vllm_model, self.sync_bucket_mb, self.dtype)
+        sync_seconds = time.perf_counter() - synced
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        return {"sync/seconds": sync_seconds, "sync/gb": num_bytes / 1e9,
+                "sync/gb_per_s": num_bytes / 1e9 / max(sync_seconds, 1e-9),
+                "sync/wake_seconds": time.perf_counter() - start - sync_seconds}
+
+    def sleep(self) -> None:
+        """Frees vLLM's KV cache (and parks or drops its weights) so the trainer can use the memory."""
+        if not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def check_weights(self, model: torch.nn.Module) -> None:
+        """Collective: raises RuntimeError naming the first mismatching tensors (see check_weight_sync)."""
+        if self.asleep:
+            raise RuntimeError("check_weights reads vLLM's weights: call it after update_weights, before sleep")
+        check_weight_sync(model, self.vllm_model)
+
+
+def to_completion(output) -> Completion:
+    """One vLLM CompletionOutput -> Completion: the sampled tokens (a stop token included) and their log-probs
+    under the processed (temperature, top-p) distribution. With logprobs=0 each position holds only the sampled
+    token's entry, first; flat_logprobs stores them as one list (FlatLogprobs), else as one dict per position."""
+    lp = output.logprobs
+    if hasattr(lp, "start_indices"):
+        logprobs = [lp.logprobs[start] for start in lp.start_indices]
+    else:
+        logprobs = [position[token].logprob for position, token in zip(lp, output.token_ids)]
+    return Completion(response_ids=list(output.token_ids), logprobs=logprobs, finished=output.finish_reason == "stop")

@@ -1,0 +1,438 @@
+"""GRPO: Group Relative Policy Optimization (DeepSeekMath, https://arxiv.org/abs/2402.03300).
+
+For each prompt, sample a group of responses, score them with a verifiable reward, and use each response's
+reward relative to its group (minus the group mean, over the group std) as its advantage: no value network.
+The policy is then updated with PPO's clipped surrogate, here with DAPO's separate low/high clip bounds
+(https://arxiv.org/abs/2503.14476), an optional k3 KL penalty to a frozen reference model, and a choice of
+loss aggregation (`--no-scale-rewards` with `--loss-agg seq-mean-token-sum-norm` gives Dr. GRPO,
+https://arxiv.org/abs/2503.20783). Groups whose rewards are all equal carry no signal and are left out.
+
+Each step: rollout -> reward -> advantages -> old/ref log-probs -> policy update -> weight sync -> log.
+Training runs under FSDP2; rollouts come from vLLM on GPUs or from the trained model itself (HF generate) on CPU.
+
+    torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, a few minutes
+    torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
+        --dataset-config main --prompt-key question --reward-fn gsm8k
+"""
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import tyro
+
+from common.data import PromptSampler, load_train_eval, tokenize_prompts
+from common.distributed import all_reduce_sum, init_distributed, raise_on_all_ranks
+from common.logger import Logger, StageTimer
+from common.model import load_model, load_tokenizer, save_model_config, shard_model, token_logprobs
+from common.rewards import compute_rewards, load_reward_fn
+from common.rollout import make_rollout_engine
+from sharding.checkpoint import save_hf_checkpoint
+
+
+@dataclass
+class Args:
+    # model and data
+    model: str | None = None
+    """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
+    dataset: str | None = None
+    """HF hub dataset name or a local .jsonl/.json/.parquet file; unset: the built-in synthetic task"""
+    dataset_config: str | None = None
+    """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column holding the reference answer passed to the reward function"""
+    eval_split: str = "test"
+    """hub dataset split to evaluate on; a local file holds out --eval-size rows instead"""
+    eval_size: int = 256
+    """number of held-out prompts evaluated"""
+    reward_fn: str | None = None
+    """gsm8k, math, synthetic or path/to/file.py:function; unset: synthetic for the built-in task, else gsm8k"""
+    chat_template: bool | None = None
+    """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
+
+    # rollout
+    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm on GPUs when installed, else hf (the trained model's own generate, slow but runs anywhere)"""
+    rollout_tp: int = 1
+    """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
+    rollout_gpu_memory: float = 0.5
+    """fraction of GPU memory vLLM may take for weights and KV cache"""
+    rollout_eager: bool = False
+    """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
+    sync_bucket_mb: int = 512
+    """size of the buckets the trainer's weights are streamed to vLLM in"""
+    check_weight_sync: bool = False
+    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch"""
+    prompts_per_step: int = 64
+    """prompts per step over all ranks"""
+    group_size: int = 8
+    """responses sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    max_prompt_len: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    max_response_len: int = 8
+    """maximum new tokens per response; generation also stops at EOS"""
+
+    # optimisation
+    steps: int = 60
+    """number of GRPO steps (rollout + update)"""
+    lr: float = 3e-3
+    """AdamW learning rate"""
+    warmup_steps: int = 5
+    """linear learning-rate warmup, in steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    clip_low: float = 0.2
+    """PPO ratio clip below: ratio >= 1 - clip_low"""
+    clip_high: float = 0.28
+    """PPO ratio clip above: ratio <= 1 + clip_high (DAPO's clip-higher)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL penalty to the frozen initial policy; 0 loads no reference model"""
+    scale_rewards: bool = True
+    """divide advantages by the group's reward std (--no-scale-rewards: Dr. GRPO)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how token losses become one number: mean over all tokens; mean over sequences of their token mean;
+    mean over sequences of their token sum / max-response-len (Dr. GRPO)"""
+    num_mini_batches: int = 1
+    """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
+    epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 64
+    """samples per forward/backward pass (gradient accumulation within a mini-batch)"""
+    tis_cap: float | None = None
+    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
+    rollout engine's numerical mismatch; unset: off"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer in backward to save memory"""
+
+    # evaluation, checkpoints, logging
+    eval_every: int = 10
+    """greedy evaluation on the held-out prompts every this many steps (and before and after training)"""
+    save_every: int = 0
+    """write an HF-format checkpoint every this many steps; 0: only at the end"""
+    output_dir: str | None = None
+    """where checkpoints and W&B files go; unset: runs/<run-name>"""
+    run_name: str | None = None
+    """unset: grpo_<dataset>_s<seed>"""
+    seed: int = 1
+    """seed for the model init, data order and sampling"""
+    track: bool = False
+    """log to Weights & Biases (respects WANDB_MODE, e.g. offline)"""
+    wandb_project: str = "nanorl"
+    """W&B project"""
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
+    """rewards: [prompts, group] -> advantages of the same shape: (r - group mean) [/ group std]."""
+    advantages = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (rewards.std(dim=1, keepdim=True) + eps)
+    return advantages
+
+
+def policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, ref_logprobs=None, kl_coef=0.0,
+                tis_weights=None):
+    """Per-token GRPO loss. All tensors [batch, seq] (advantages broadcast per sequence as [batch, 1]).
+
+    Returns the token losses, whether each token was clipped, and the k3 KL estimate to the reference.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # pessimistic bound: no gain from moving the ratio past the clip
+    if tis_weights is not None:
+        loss = loss * tis_weights
+    kl = torch.zeros_like(loss)
+    if ref_logprobs is not None:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0 (http://joschu.net/blog/kl-approx.html)
+        loss = loss + kl_coef * kl
+    return loss, clipped > unclipped, kl
+
+
+def aggregate_loss(token_loss, mask, mode: str, num_tokens: float, num_seqs: float, max_response_len: int):
+    """Sum this micro-batch's share of the mini-batch loss.
+
+    token_loss, mask: [batch, seq]. num_tokens / num_seqs count the whole mini-batch over all ranks and micro-batches,
+    so the sum of this over micro-batches (and the average over ranks, times world size) is the mini-batch loss,
+    whatever the split.
+    """
+    masked = token_loss * mask
+    if mode == "token-mean":
+        return masked.sum() / num_tokens
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (num_seqs * max_response_len)
+    raise ValueError(f"unknown --loss-agg {mode!r}")
+
+
+def pad_samples(samples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pads prompt + response into [batch, seq] tensors; per-token tensors are aligned to targets [batch, seq - 1]."""
+    length = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    batch = {"input_ids": torch.full((len(samples), length), pad_token_id, dtype=torch.long),
+             "attention_mask": torch.zeros(len(samples), length, dtype=torch.long),
+             "response_mask": torch.zeros(len(samples), length - 1),
+             "rollout_logprobs": torch.zeros(len(samples), length - 1)}
+    for i, s in enumerate(samples):
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        batch["input_ids"][i, :p + r] = torch.tensor(s["prompt_ids"] + s["response_ids"])
+        batch["attention_mask"][i, :p + r] = 1
+        batch["response_mask"][i, p - 1:p + r - 1] = 1  # position t predicts token t + 1
+        batch["rollout_logprobs"][i, p - 1:p + r - 1] = torch.tensor(s["logprobs"])
+    batch["advantages"] = torch.tensor([s["advantage"] for s in samples]).unsqueeze(1)  # [batch, 1]
+    batch["loss_weight"] = torch.tensor([s["loss_weight"] for s in samples]).unsqueeze(1)  # 0: zero-variance group
+    return batch
+
+
+def micro_batches(batch: dict[str, torch.Tensor], indices: torch.Tensor, size: int, device):
+    """Yields sub-batches of `size` samples, cut to their own longest sequence and moved to device."""
+    full = batch["input_ids"].shape[1]
+    for start in range(0, len(indices), size):
+        idx = indices[start:start + size]
+        length = int(batch["attention_mask"][idx].sum(-1).max())
+        # [batch, seq] tensors keep `length` columns, per-target [batch, seq - 1] ones keep length - 1.
+        yield {k: (v[idx][:, :length] if v.shape[1] == full else
+                   v[idx][:, :length - 1] if v.shape[1] == full - 1 else v[idx]).to(device)
+               for k, v in batch.items()}
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch, size: int, temperature: float, device) -> torch.Tensor:
+    """Log-probs of every target token under `model`, [batch, seq - 1], micro-batch by micro-batch."""
+    out = torch.zeros_like(batch["rollout_logprobs"])
+    for start, mb in enumerate(micro_batches(batch, torch.arange(len(out)), size, device)):
+        lp, _ = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature)
+        out[start * size:start * size + len(lp), :lp.shape[1]] = lp.float().cpu()
+    model.reshard()  # FSDP2 keeps the root's weights gathered after a forward with no backward: free them
+    return out
+
+
+def update_policy(model, optimizer, batch, args: Args, world: int, device, generator) -> dict[str, float]:
+    """PPO-style epochs over mini-batches of the rollout batch; one optimizer step per mini-batch.
+
+    Samples are shuffled with `generator` each epoch (None keeps their order)."""
+    n = len(batch["input_ids"])
+    sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps"], 0.0)
+    for _ in range(args.epochs):
+        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+        for mini in order.chunk(args.num_mini_batches):
+            mask = batch["response_mask"][mini] * batch["loss_weight"][mini]
+            num_tokens, num_seqs = all_reduce_sum([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], device)
+            if num_tokens == 0:  # every group in this mini-batch had equal rewards on every rank
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            for mb in micro_batches(batch, mini, args.micro_batch_size, device):
+                logprobs, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], args.temperature,
+                                                   with_entropy=True)
+                mb_mask = mb["response_mask"] * mb["loss_weight"]
+                tis = None
+                if args.tis_cap is not None:
+                    tis = torch.exp(mb["old_logprobs"] - mb["rollout_logprobs"]).clamp(max=args.tis_cap)
+                token_loss, clipped, kl = policy_loss(
+                    logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low, args.clip_high,
+                    mb.get("ref_logprobs"), args.kl_coef, tis)
+                loss = aggregate_loss(token_loss, mb_mask, args.loss_agg, num_tokens, num_seqs, args.max_response_len)
+                (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
+                with torch.no_grad():
+                    sums["loss"] += loss.item() * world
+                    sums["pg_clipfrac"] += (clipped * mb_mask).sum().item()
+                    sums["kl"] += (kl * mb_mask).sum().item()
+                    sums["entropy"] += (entropy * mb_mask).sum().item()
+                    sums["tokens"] += mb_mask.sum().item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            sums["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            optimizer.step()
+            sums["opt_steps"] += 1
+    return sums
+
+
+def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, world: int, device) -> dict[str, float]:
+    """Greedy pass@1 and mean reward on the held-out prompts, split evenly over ranks."""
+    per_rank = -(-len(eval_rows) // world)
+    mine = eval_rows[rank * per_rank:(rank + 1) * per_rank]
+    weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+    mine = mine + [eval_rows[0]] * (per_rank - len(mine))  # every rank generates the same number of prompts
+    outputs = engine.generate([r["prompt_ids"] for r in mine], n=1, max_tokens=args.max_response_len,
+                              temperature=1.0, top_p=1.0, seed=0, greedy=True)
+    texts = [tokenizer.decode(o[0].response_ids, skip_special_tokens=True) for o in outputs]
+    error, rewards = None, []
+    try:
+        rewards = compute_rewards(reward_fn, [r["prompt"] for r in mine], texts, [r["answer"] for r in mine])
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = e
+    raise_on_all_ranks(error)
+    total, reward_sum, correct = all_reduce_sum(
+        [sum(weights), sum(w * r for w, r in zip(weights, rewards)), sum(w * (r > 0) for w, r in zip(weights, rewards))],
+        device)
+    return {"eval/accuracy": correct / total, "eval/reward": reward_sum / total}
+
+
+def main():
+    args = tyro.cli(Args)
+    rank, world, device = init_distributed()
+    tp = args.rollout_tp
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks")
+    if world % tp:
+        raise ValueError(f"--rollout-tp {tp} must divide the number of ranks ({world})")
+    if args.group_size < 2:
+        raise ValueError("--group-size must be at least 2: advantages are relative to the group")
+    prompts_per_rank = args.prompts_per_step // world
+    dataset_name = "builtin" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).split(".")[0]
+    run_name = args.run_name or f"grpo_{dataset_name}_s{args.seed}"
+    output_dir = args.output_dir or os.path.join("runs", run_name)
+    reward_spec = args.reward_fn or ("synthetic" if args.dataset is None else "gsm8k")
+    torch.manual_seed(args.seed)
+
+    # Model, reference model, optimizer.
+    tokenizer = load_tokenizer(args.model)
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    reference = None
+    if args.kl_coef > 0:
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+
+    # Data and rewards.
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_name, asdict(args), output_dir)
+    train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
+                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
+    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, args.max_prompt_len, args.chat_template)
+    logger.print(f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} "
+                 f"longer than --max-prompt-len {args.max_prompt_len}")
+    sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
+    reward_fn = load_reward_fn(reward_spec)
+
+    # Rollout engine: sees only token ids; stops at EOS.
+    stop_ids = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_stop_ids", [])))
+    model_dir = os.path.join(output_dir, "model_config")  # architecture only: vLLM starts with dummy weights
+    if rank == 0:
+        save_model_config(args.model, tokenizer, model_dir)
+    dist.barrier()
+    engine = make_rollout_engine(args.rollout_engine, policy, model_dir, tokenizer, stop_ids, rank, tp,
+                                 args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
+                                 args.rollout_eager, args.sync_bucket_mb)
+    timer = StageTimer(device)
+    synced_step = -1  # the policy version the engine holds
+
+    def sync_engine(step: int) -> dict[str, float]:
+        nonlocal synced_step
+        if synced_step == step:
+            return {}
+        with timer("sync"):
+            metrics = engine.update_weights(policy)
+            if args.check_weight_sync:
+                engine.check_weights(policy)
+        synced_step = step
+        return metrics
+
+    def run_eval(step: int) -> dict[str, float]:
+        sync_engine(step)
+        with timer("eval"):
+            metrics = evaluate(engine, eval_rows, reward_fn, tokenizer, args, rank, world, device)
+        engine.sleep()
+        return metrics
+
+    first_eval = run_eval(0)
+    logger.log(0, {**first_eval, **timer.pop()}, advance=False)
+    last_eval = first_eval
+    generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
+
+    for step in range(1, args.steps + 1):
+        step_start = time.perf_counter()
+        metrics = sync_engine(step - 1)
+
+        # 1. Rollout: group_size responses per prompt.
+        prompts = sampler.next_batch()
+        with timer("rollout"):
+            outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
+                                      max_tokens=args.max_response_len, temperature=args.temperature,
+                                      top_p=args.top_p, seed=args.seed * 1_000_003 + step)
+        engine.sleep()
+
+        # 2. Reward: every rank scores its own samples; a failure anywhere stops every rank.
+        samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs,
+                        finished=c.finished, prompt=p["prompt"], answer=p["answer"])
+                   for p, group in zip(prompts, outputs) for c in group]
+        with timer("reward"):
+            texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in samples]
+            error, rewards = None, []
+            try:
+                rewards = compute_rewards(reward_fn, [s["prompt"] for s in samples], texts, [s["answer"] for s in samples])
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = e
+            raise_on_all_ranks(error)
+
+        # 3. Advantages, relative to each prompt's group.
+        rewards = torch.tensor(rewards).view(len(prompts), args.group_size)
+        advantages = group_advantages(rewards, args.scale_rewards)
+        informative = (rewards.std(dim=1) > 0).repeat_interleave(args.group_size)  # zero-variance groups: no signal
+        for s, a, keep in zip(samples, advantages.flatten().tolist(), informative.tolist()):
+            s["advantage"], s["loss_weight"] = a, float(keep)
+        batch = pad_samples(samples, tokenizer.pad_token_id)
+
+        # 4. Log-probs of the sampled tokens under the current (old) policy and the reference.
+        with timer("logprobs"):
+            batch["old_logprobs"] = compute_logprobs(policy, batch, args.micro_batch_size, args.temperature, device)
+            if reference is not None:
+                batch["ref_logprobs"] = compute_logprobs(reference, batch, args.micro_batch_size, args.temperature, device)
+
+        # 5. Policy update.
+        with timer("update"):
+            stats = update_policy(policy, optimizer, batch, args, world, device, generator)
+            scheduler.step()
+
+        # 6. Log: sums over ranks, then means.
+        mask = batch["response_mask"]
+        response_lengths = mask.sum(-1)
+        sums = all_reduce_sum([
+            rewards.sum().item(), (rewards > 0).sum().item(), rewards.numel(), response_lengths.sum().item(),
+            float(sum(not s["finished"] for s in samples)), (informative.sum().item()),
+            ((batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask).sum().item(), mask.sum().item(),
+            batch["attention_mask"].sum().item(), stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"],
+            stats["tokens"], stats["grad_norm"], stats["opt_steps"]], device)
+        (reward_sum, correct, count, length_sum, truncated, informative_count, lp_diff, response_tokens, total_tokens,
+         loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps) = sums
+        opt_steps = max(opt_steps / world, 1)
+        metrics.update({
+            "reward/mean": reward_sum / count, "reward/accuracy": correct / count,
+            "reward/informative_frac": informative_count / count,
+            "response/length_mean": length_sum / count, "response/truncated_frac": truncated / count,
+            "rollout/logprob_diff": lp_diff / max(response_tokens, 1),
+            "loss/policy": loss / world / opt_steps, "loss/kl": kl / max(trained_tokens, 1),
+            "policy/clip_frac": clipfrac / max(trained_tokens, 1), "policy/entropy": entropy / max(trained_tokens, 1),
+            "policy/grad_norm": grad_norm / world / opt_steps, "policy/lr": scheduler.get_last_lr()[0],
+            "perf/tokens_per_s": total_tokens / (time.perf_counter() - step_start),
+        })
+        metrics.update(timer.pop())
+        if args.eval_every and step % args.eval_every == 0 or step == args.steps:
+            last_eval = run_eval(step)
+            metrics.update(last_eval)
+            metrics.update(timer.pop())
+        if args.save_every and step % args.save_every == 0 or step == args.steps:
+            with timer("save"):
+                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"))
+            metrics.update(timer.pop())
+        logger.log(step, metrics)
+
+    logger.print(f"held-out greedy accuracy: {first_eval['eval/accuracy']:.3f} before training -> "
+                 f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
+                 f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
+    logger.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

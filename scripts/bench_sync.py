@@ -1,0 +1,125 @@
+"""Benchmark the FSDP2 -> vLLM weight sync at Qwen2.5 shapes: seconds, GB/s and the extra GPU memory it takes.
+
+A random-weight model of the chosen shape is sharded with FSDP2 over all ranks, a colocated vLLM engine is
+started (tensor parallel --tp, one replica per --tp ranks), then the training loop's cycle is repeated:
+sleep, update_weights (wake, sync, wake). The sync time of an iteration is the slowest rank's; the report
+gives the median over iterations, and the check of the last sync (check_weight_sync).
+
+    torchrun --nproc_per_node 1 scripts/bench_sync.py --shape 0.5b --tp 1 --out benchmarks/results/sync_0.5b_1gpu.json
+    torchrun --nproc_per_node 4 scripts/bench_sync.py --shape 7b --tp 2 --out benchmarks/results/sync_7b_4gpu_tp2.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
+from common.distributed import init_distributed  # noqa: E402
+from common.model import shard_model  # noqa: E402
+from common.vllm_rollout import VLLMRolloutEngine  # noqa: E402
+
+# Qwen2.5 architectures (hidden size, MLP size, layers, query heads, kv heads, vocabulary, tied embeddings).
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def qwen2_config(shape: str) -> Qwen2Config:
+    return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+
+
+def save_config(config: Qwen2Config, path: str, rank: int) -> str:
+    """config.json only: the engine starts with dummy weights and gets the real ones from the trainer."""
+    if rank == 0:
+        config.save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def build_policy(config: Qwen2Config, device: torch.device, master_dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights, initialised on the GPU (fast even at 7B), then FSDP2-sharded as the trainer does."""
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=master_dtype)
+    return shard_model(model, device)
+
+
+def slowest(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--master-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="dtype of the trainer's sharded weights (the sync casts them to bf16)")
+    parser.add_argument("--gpu-memory", type=float, default=0.3, help="vLLM's share of each GPU")
+    parser.add_argument("--sleep", action=argparse.BooleanOptionalAction, default=True,
+                        help="sleep the engine before each sync, as the training loop does")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args()
+
+    rank, world, device = init_distributed()
+    config = qwen2_config(args.shape)
+    model_dir = save_config(config, f"/tmp/nanorl_bench_{args.shape}", rank)
+    policy = build_policy(config, device, getattr(torch, args.master_dtype))
+    engine = VLLMRolloutEngine(model_dir, tp_size=args.tp, gpu_memory_utilization=args.gpu_memory,
+                               max_model_len=1024, stop_token_ids=[], seed=0, enforce_eager=True,
+                               sync_bucket_mb=args.bucket_mb)
+    engine.update_weights(policy)  # the first sync replaces the dummy weights; not timed
+
+    seconds, wake_seconds, extra_bytes = [], [], []
+    for _ in range(args.iters):
+        if args.sleep:
+            engine.sleep()
+        dist.barrier()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        metrics = engine.update_weights(policy)
+        # vLLM's own memory is mapped and unmapped under the allocator's accounting, so this delta is the sync's.
+        extra = torch.cuda.max_memory_allocated() - before
+        s, w, e = slowest([metrics["sync/seconds"], metrics["sync/wake_seconds"], extra], device)
+        seconds.append(s), wake_seconds.append(w), extra_bytes.append(e)
+    start = time.perf_counter()
+    engine.check_weights(policy)  # raises on a mismatch
+    check_seconds = time.perf_counter() - start
+
+    gb = metrics["sync/gb"]
+    result = {
+        "shape": args.shape, "gpus": world, "tp": args.tp, "replicas": world // args.tp,
+        "device": torch.cuda.get_device_name(device), "master_dtype": args.master_dtype, "bucket_mb": args.bucket_mb,
+        "sleep_cycle": args.sleep, "params": sum(p.numel() for p in policy.parameters()), "sync_gb": gb,
+        "sync_seconds_median": statistics.median(seconds), "sync_seconds": seconds,
+        "sync_gb_per_s_median": gb / statistics.median(seconds),
+        "wake_seconds_median": statistics.median(wake_seconds),
+        "peak_extra_gib_max": max(extra_bytes) / 2**30, "check_passed": True, "check_seconds": check_seconds,
+        "torch": torch.__version__, "vllm": __import__("vllm").__version__,
+    }
+    if rank == 0:
+        print(json.dumps(result, indent=2))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Move the trainer's FSDP2 weights into a vLLM model living in the same process, and check that they arrived.
+
+The key idea: every rank gathers each full parameter (`DTensor.full_tensor`, one collective per parameter, the same
+ones in the same order on every rank) and hands it to vLLM's own `load_weights`, which keeps only the slice that
+this rank's tensor-parallel shard needs. Tensors go in size-bounded buckets, so the extra memory is about one bucket
+and never a whole state dict. The check recomputes, on every rank, the slice vLLM should hold and compares it
+element by element with what vLLM actually holds.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# Wrappers (activation checkpointing, FSDP1, torch.compile) that insert a level into parameter names.
+WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def hf_name(name: str) -> str:
+    """The checkpoint name of a trainer parameter, e.g. "model.layers.0.mlp.up_proj.weight"."""
+    for part in WRAPPER_NAME_PARTS:
+        name = name.replace(part, "")
+    return name.removeprefix("module.")  # DDP
+
+
+def full_tensor(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole parameter in `dtype` on this rank. Collective for a sharded DTensor: call it on every rank."""
+    param = param.detach()
+    if isinstance(param, DTensor) and param.device_mesh.size() == 1:  # one GPU: the shard is the whole tensor
+        param = param.to_local()  # and plain tensors skip DTensor's per-op overhead
+    if not isinstance(param, DTensor):
+        return param.to(dtype)
+    return param.to(dtype).full_tensor()  # cast the shard first: the all-gather moves half the bytes of fp32
+
+
+def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module, dtype: torch.dtype):
+    """Yields (checkpoint name, full tensor) for every weight vLLM loads, in the same order on every rank.
+
+    Only parameters: the buffers of HF decoder models (rotary inv_freq) are recomputed by vLLM, never loaded.
+    A tied lm_head is skipped: vLLM's tied models share embed_tokens and skip "lm_head." when loading.
+    """
+    tied = getattr(getattr(vllm_model, "config", None), "tie_word_embeddings", False)
+    for name, param in model.named_parameters():
+        name = hf_name(name)
+        if tied and name == "lm_head.weight":
+            continue  # decided by the name alone, so every rank skips the same collective
+        yield name, full_tensor(param, dtype)
+
+
+@torch.no_grad()
+def sync_weights_to_vllm(model: torch.nn.Module, vllm_model: torch.nn.Module, bucket_mb: int,
+                         dtype: torch.dtype = torch.bfloat16) -> int:
+    """Loads the trainer's current weights into `vllm_model` (vLLM's in-process model); returns the bytes loaded.
+
+    A bucket is loaded once adding the next tensor would take it past `bucket_mb` (a tensor bigger than that,
+    like a large embedding, goes alone). Fewer, larger `load_weights` calls amortise vLLM's Python overhead.
+    """
+    limit = bucket_mb * 2**20
+    bucket, bucket_bytes, total_bytes = [], 0, 0
+    for name, tensor in trainer_weights(model, vllm_model, dtype):
+        num_bytes = tensor.numel() * tensor.element_size()
+        if bucket and bucket_bytes + num_bytes > limit:
+            vllm_model.load_weights(bucket)
+            bucket, bucket_bytes = [], 0
+        bucket.append((name, tensor))
+        bucket_bytes += num_bytes
+        total_bytes += num_bytes
+    if bucket:
+        vllm_model.load_weights(bucket)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies into vLLM's weights are asynchronous; the caller times the sync
+    return total_bytes
+
+
+def vllm_slices(vllm_model: torch.nn.Module, name: str, full: torch.Tensor):
+    """Where the checkpoint tensor `full` lives in this rank's vLLM weights.
+
+    Returns (vLLM parameter name, [(view of vLLM's local tensor, the slice of `full` it must equal), ...]),
+    following vLLM's tensor-parallel layouts (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py):
+    - q/k/v_proj are rows of the fused qkv_proj: [q shard | k shard | v shard]. A rank holds q heads
+      [tp_rank * n, (tp_rank + 1) * n) and kv heads of shard tp_rank // replicas, where replicas > 1 when
+      tp_size > num_kv_heads (each kv head is then copied onto several ranks).
+    - gate/up_proj are rows of the fused gate_up_proj: [gate shard | up shard].
+    - other column-parallel weights and biases are split along dim 0, row-parallel weights (o_proj, down_proj)
+      along dim 1; a row-parallel bias is replicated.
+    - embed_tokens / lm_head are split by vocabulary rows; rows past the real vocabulary (padding to a multiple
+      of 64 per shard) must be zero.
+    - anything else (norms) is replicated and compared whole.
+    """
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    # e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed = getattr(vllm_model, "packed_modules_mapping", {})
+    part_of = {part: (fused, index) for fused, parts in packed.items() for index, part in enumerate(parts)}
+    module_path, param_name = name.rsplit(".", 1)
+    parent, _, leaf = module_path.rpartition(".")
+    index = None
+    if leaf in part_of:
+        fused, index = part_of[leaf]
+        module_path = f"{parent}.{fused}" if parent else fused
+    module = vllm_model.get_submodule(module_path)
+    local = getattr(module, param_name).data
+    vllm_name = f"{module_path}.{param_name}"
+
+    if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and index is None:
+        raise NotImplementedError(f"{name}: checkpoints with already fused {leaf} are not supported")
+    if isinstance(module, QKVParallelLinear):
+        q_size = module.num_heads * module.head_size
+        kv_size = module.num_kv_heads * module.head_size
+        offset, size = [(0, q_size), (q_size, kv_size), (q_size + kv_size, module.num_kv_heads * module.v_head_size)][index]
+        shard = module.tp_rank if index == 0 else module.tp_rank // module.num_kv_head_replicas
+        return vllm_name, [(local.narrow(0, offset, size), full.narrow(0, shard * size, size))]
+    if isinstance(module, MergedColumnParallelLinear):
+        sizes = [s // module.tp_size for s in module.output_sizes]
+        offset, size = sum(sizes[:index]), sizes[index]
+        return vllm_name, [(local.narrow(0, offset, size), full.narrow(0, module.tp_rank * size, size))]
+    if isinstance(module, RowParallelLinear):
+        if param_name == "bias":
+            return vllm_name, [(local, full)]
+        size = local.shape[1]
+        return vllm_name, [(local, full.narrow(1, module.tp_rank * size, size))]
+    if isinstance(module, ColumnParallelLinear):
+        size = local.shape[0]
+        return vllm_name, [(local, full.narrow(0, module.tp_rank * size, size))]
+    if isinstance(module, VocabParallelEmbedding):
+        start, end = module.shard_indices.org_vocab_start_index, module.shard_indices.org_vocab_end_index
+        rows = end - start
+        return vllm_name, [(local[:rows], full[start:end]), (local[rows:], torch.zeros_like(local[rows:]))]
+    if isinstance(module, ReplicatedLinear) or local.shape == full.shape:
+        return vllm_name, [(local, full)]
+    raise NotImplementedError(f"check_weight_sync does not know how {type(module).__name__} shards {name} "
+                              f"(vLLM holds {tuple(local.shape)}, the trainer {tuple(full.shape)})")
+
+
+@torch.no_grad()
+def check_weight_sync(model: torch.nn.Module, vllm_model: torch.nn.Module, max_reported: int = 5) -> None:
+    """Raises RuntimeError on every rank if any rank's vLLM weights differ from the trainer's (cast to vLLM's dtype).
+
+    Collective: call on every rank. Each rank checks its own tensor-parallel shard element by element, against
+    the slice of the trainer's full tensor that vLLM's loader would have put there, and also that every vLLM
+    parameter received some trainer tensor. The mismatch count is then summed over all ranks, so all ranks fail
+    together (naming the tensors where they failed) instead of one rank raising while the others hang.
+    The error quotes float64 sums (checksums) of both sides and the largest difference.
+
+    Limits: the layouts known are those of Qwen2/Llama-style dense decoders (fused qkv_proj and gate_up_proj,
+    column/row-parallel linears, vocab-parallel embeddings, replicated norms), unquantized, without pipeline
+    parallelism. A module of another kind raises NotImplementedError unless it holds the whole tensor.
+    The check compares against vLLM's own layout rules, so it finds stale, missing, misnamed or wrongly placed
+    weights (a sync that was skipped or overwritten by a wake-up), not a bug inside vLLM's loader; the log-prob
+    gap between vLLM and the trainer covers that.
+    """
+    vllm_params = dict(vllm_model.named_parameters())
+    dtype = next(iter(vllm_params.values())).dtype
+    covered, mismatches = set(), []
+    for name, full in trainer_weights(model, vllm_model, dtype):
+        vllm_name, pairs = vllm_slices(vllm_model, name, full)
+        covered.add(vllm_name)
+        for actual, expected in pairs:
+            if not torch.equal(actual, expected):
+                diff = (actual.float() - expected.float()).abs().max().item()
+                mismatches.append(f"{name} -> {vllm_name}: vLLM sum {actual.double().sum().item():.6f}, trainer sum "
+                                  f"{expected.double().sum().item():.6f}, max |diff| {diff:.3g}")
+                break
+    mismatches += [f"{n}: vLLM parameter received no trainer tensor" for n in vllm_params if n not in covered]
+
+    failed_ranks, total = int(bool(mismatches)), len(mismatches)
+    if dist.is_initialized():
+        count = torch.tensor([failed_ranks, total], device=next(iter(vllm_params.values())).device)
+        dist.all_reduce(count)
+        failed_ranks, total = count.tolist()
+    if mismatches:
+        shown = "\n  ".join(mismatches[:max_reported])
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(f"weight sync check failed on rank {rank} ({len(mismatches)} tensors):\n  {shown}")
+    if failed_ranks:
+        raise RuntimeError(f"weight sync check failed on {failed_ranks} other rank(s), {total} tensors in all")

@@ -1,0 +1,248 @@
+import json
+import sys
+import types
+
+import datasets
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from common.data import PromptSampler, load_rows, load_train_eval, tokenize_prompts
+
+# Numeric answers, as in GSM8K-style files: they come back as text.
+ROWS = [{"question": "one plus one", "answer": 2}, {"question": "two plus two", "answer": 4}]
+
+
+def write_rows(path, rows):
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def make_tokenizer():
+    """Word-level tokenizer over a tiny vocabulary; BOS is prepended when add_special_tokens=True."""
+    words = ["[UNK]", "[BOS]", "user", "assistant", ":", "one", "two", "plus", "a", "b", "c", "d"]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="[BOS]")
+
+
+# ---- loading ----
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_load_local_file(tmp_path, suffix):
+    path = write_rows(tmp_path / f"data{suffix}", ROWS)
+    rows = load_rows(path, "ignored", "question", "answer")
+    assert rows == [{"prompt": "one plus one", "answer": "2"}, {"prompt": "two plus two", "answer": "4"}]
+
+
+def test_missing_file_is_named(tmp_path):
+    path = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_rows(path, "train", "question", "answer")
+
+
+def test_missing_column_lists_existing_columns(tmp_path):
+    path = write_rows(tmp_path / "data.jsonl", ROWS)
+    with pytest.raises(ValueError) as error:
+        load_rows(path, "train", "problem", "answer")
+    message = str(error.value)
+    assert "problem" in message and "question" in message and "answer" in message
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        load_rows(str(path), "train", "question", "answer")
+
+
+def test_empty_parquet(tmp_path):
+    path = str(tmp_path / "empty.parquet")
+    datasets.Dataset.from_dict({"question": [], "answer": []}).to_parquet(path)
+    with pytest.raises(ValueError, match="empty"):
+        load_rows(path, "train", "question", "answer")
+
+
+def test_malformed_file_is_one_short_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "a", "answer": 1}\n{"question": \n')
+    with pytest.raises(ValueError, match="bad.jsonl") as error:
+        load_rows(str(path), "train", "question", "answer")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ([{"q": "a", "a": [1, 2]}, {"q": "b", "a": [3]}], ["row 0", "'a'", "list"]),
+        ([{"q": "a", "a": {"x": 1}}], ["row 0", "'a'", "dict"]),
+        ([{"q": "a", "a": "1"}, {"q": "b", "a": None}], ["row 1", "'a'", "NoneType"]),
+        ([{"q": 7, "a": "1"}], ["row 0", "'q'", "string"]),
+        ([{"q": "a", "a": "1"}, {"q": "b", "a": "2"}, {"q": "  \n", "a": "3"}], ["row 2", "'q'", "empty"]),
+    ],
+)
+def test_bad_values_name_row_and_column(tmp_path, rows, expected):
+    path = write_rows(tmp_path / "data.jsonl", rows)
+    with pytest.raises(ValueError) as error:
+        load_rows(path, "train", "q", "a")
+    assert all(word in str(error.value) for word in expected), str(error.value)
+
+
+def test_hub_failure_is_short_and_suggests_local_file(monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'org/name' on the Hub\n" + "long trace\n" * 50)
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(ValueError) as error:
+        load_rows("org/name", "train", "question", "answer")
+    message = str(error.value)
+    assert "org/name" in message and "hub" in message and ".jsonl" in message and "\n" not in message
+    assert isinstance(error.value.__cause__, ConnectionError)
+
+
+# ---- train / eval split ----
+
+
+def test_local_file_hold_out_is_seeded_and_disjoint(tmp_path):
+    rows = [{"question": f"q{i}", "answer": i} for i in range(20)]
+    path = write_rows(tmp_path / "data.jsonl", rows)
+    train, evaluation = load_train_eval(path, "question", "answer", eval_size=5, seed=3)
+    assert len(train) == 15 and len(evaluation) == 5
+    prompts = [row["prompt"] for row in train + evaluation]
+    assert sorted(prompts) == sorted(f"q{i}" for i in range(20))  # disjoint and complete
+    assert load_train_eval(path, "question", "answer", eval_size=5, seed=3) == (train, evaluation)
+    _, other_eval = load_train_eval(path, "question", "answer", eval_size=5, seed=4)
+    assert other_eval != evaluation
+    with pytest.raises(ValueError, match="eval_size"):
+        load_train_eval(path, "question", "answer", eval_size=20)
+
+
+def fake_hub(monkeypatch, splits):
+    table = {name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.DatasetDict(table))
+
+
+def test_hub_uses_eval_split_capped_at_eval_size(monkeypatch):
+    train_rows = [{"question": f"t{i}", "answer": i} for i in range(6)]
+    test_rows = [{"question": f"e{i}", "answer": i} for i in range(4)]
+    fake_hub(monkeypatch, {"train": train_rows, "test": test_rows})
+    train, evaluation = load_train_eval("org/name", "question", "answer", eval_size=3)
+    assert [row["prompt"] for row in train] == [f"t{i}" for i in range(6)]
+    assert [row["prompt"] for row in evaluation] == ["e0", "e1", "e2"]
+
+
+def test_hub_without_eval_split_holds_out(monkeypatch):
+    fake_hub(monkeypatch, {"train": [{"question": f"t{i}", "answer": i} for i in range(6)]})
+    train, evaluation = load_train_eval("org/name", "question", "answer", eval_size=2)
+    assert len(train) == 4 and len(evaluation) == 2
+    assert not {row["prompt"] for row in train} & {row["prompt"] for row in evaluation}
+    with pytest.raises(ValueError, match="validation"):
+        load_train_eval("org/name", "question", "answer", train_split="validation")
+
+
+def test_builtin_task_uses_synthetic_splits(monkeypatch):
+    def make_synthetic_rows(split):
+        return [{"prompt": f"{split} {i}", "answer": str(i)} for i in range(10)]
+
+    monkeypatch.setitem(sys.modules, "common.synthetic", types.SimpleNamespace(make_synthetic_rows=make_synthetic_rows))
+    assert load_rows(None, "train", "ignored", "ignored")[0] == {"prompt": "train 0", "answer": "0"}
+    train, evaluation = load_train_eval(None, "ignored", "ignored", eval_size=3)
+    assert len(train) == 10 and [row["prompt"] for row in evaluation] == ["test 0", "test 1", "test 2"]
+
+
+# ---- tokenization ----
+
+
+def test_plain_tokenization_drops_long_prompts():
+    prompts = ["one", "one plus one plus one", "two plus two"]
+    rows = [{"prompt": prompt, "answer": str(i)} for i, prompt in enumerate(prompts)]
+    kept, num_dropped = tokenize_prompts(rows, make_tokenizer(), max_prompt_len=4)
+    # [BOS] + words: lengths 2, 6, 4 -> the 6-token prompt is dropped
+    assert num_dropped == 1
+    assert [row["prompt_ids"] for row in kept] == [[1, 5], [1, 6, 7, 6]]
+    assert [row["answer"] for row in kept] == ["0", "2"]
+    assert "prompt_ids" not in rows[0]  # input rows are left untouched
+
+
+def test_all_prompts_too_long_is_an_error():
+    rows = [{"prompt": "one plus one", "answer": "2"}, {"prompt": "a b c d a b", "answer": "x"}]
+    with pytest.raises(ValueError) as error:
+        tokenize_prompts(rows, make_tokenizer(), max_prompt_len=3)
+    message = str(error.value)
+    assert "all 2 prompts" in message and "max_prompt_len=3" in message
+    assert "shortest 4" in message and "longest 7" in message
+
+
+def test_chat_template_ids():
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    rows = [{"prompt": "one plus two", "answer": "3"}]
+    kept, num_dropped = tokenize_prompts(rows, tokenizer, max_prompt_len=100)
+    # "user : one plus two assistant :" (the template's text carries no BOS; special tokens are not added twice)
+    assert num_dropped == 0 and kept[0]["prompt_ids"] == [2, 4, 5, 7, 6, 3, 4]
+    plain, _ = tokenize_prompts(rows, tokenizer, max_prompt_len=100, use_chat_template=False)
+    assert plain[0]["prompt_ids"] == [1, 5, 7, 6]
+
+
+def test_forcing_chat_template_without_one_is_an_error():
+    with pytest.raises(ValueError, match="chat_template"):
+        tokenize_prompts([{"prompt": "one", "answer": "1"}], make_tokenizer(), 10, use_chat_template=True)
+
+
+# ---- sampler ----
+
+
+def numbered_rows(n):
+    return [{"prompt": str(i), "answer": str(i)} for i in range(n)]
+
+
+def stream(sampler, num_batches):
+    return [[int(row["prompt"]) for row in sampler.next_batch()] for _ in range(num_batches)]
+
+
+def test_rank_slices_partition_the_global_batch():
+    rows = numbered_rows(17)
+    one_rank = stream(PromptSampler(rows, prompts_per_rank=4, rank=0, world_size=1, seed=5), 10)
+    rank0 = stream(PromptSampler(rows, prompts_per_rank=2, rank=0, world_size=2, seed=5), 10)
+    rank1 = stream(PromptSampler(rows, prompts_per_rank=2, rank=1, world_size=2, seed=5), 10)
+    for global_batch, mine, theirs in zip(one_rank, rank0, rank1):
+        assert not set(mine) & set(theirs)
+        assert mine + theirs == global_batch
+
+
+def test_epochs_reshuffle_and_drop_the_tail():
+    rows = numbered_rows(10)
+    sampler = PromptSampler(rows, prompts_per_rank=3, rank=0, world_size=1, seed=0)
+    epoch0, epoch1 = stream(sampler, 3), stream(sampler, 3)  # 3 batches of 3 per epoch; 1 row dropped each
+    assert len(set(sum(epoch0, []))) == 9 and len(set(sum(epoch1, []))) == 9
+    assert epoch0 != epoch1
+    assert sampler.epoch == 1
+    assert stream(PromptSampler(rows, 3, 0, 1, seed=0), 6) == epoch0 + epoch1  # deterministic across instances
+
+
+def test_resume_continues_the_identical_stream():
+    rows = numbered_rows(11)
+    uninterrupted = stream(PromptSampler(rows, 2, 1, 2, seed=7), 9)
+    first = PromptSampler(rows, 2, 1, 2, seed=7)
+    head = stream(first, 4)
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint round trip
+    resumed = PromptSampler(rows, 2, 1, 2, seed=7)
+    resumed.load_state_dict(state)
+    assert head + stream(resumed, 5) == uninterrupted
+    with pytest.raises(ValueError, match="rows"):
+        PromptSampler(numbered_rows(12), 2, 1, 2, seed=7).load_state_dict(state)
+
+
+def test_fewer_rows_than_a_global_batch_is_an_error():
+    with pytest.raises(ValueError, match="global batch"):
+        PromptSampler(numbered_rows(5), prompts_per_rank=3, rank=0, world_size=2, seed=0)

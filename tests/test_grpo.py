@@ -1,0 +1,138 @@
+"""GRPO math against hand-computed values, and FSDP2 on 2 gloo ranks == 1 rank."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import grpo
+from common.model import shard_model
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    # group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735
+    expected = 0.5 / math.sqrt(1 / 3)
+    adv = grpo.group_advantages(rewards, scale=True)
+    assert torch.allclose(adv[0], torch.tensor([expected, -expected, -expected, expected]), atol=1e-4)
+    assert torch.equal(adv[1], torch.zeros(4))  # zero-variance group: no signal
+    assert torch.allclose(grpo.group_advantages(rewards, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+@pytest.mark.parametrize("advantage, ratio, expected_loss, expected_clipped", [
+    (1.0, 1.5, -1.28, True),    # positive advantage: ratio capped at 1 + clip_high
+    (1.0, 0.5, -0.5, False),    # positive advantage, ratio below 1: the lower clip does not apply
+    (-1.0, 0.5, 0.8, True),     # negative advantage: ratio floored at 1 - clip_low
+    (-1.0, 1.5, 1.5, False),    # negative advantage, ratio above 1: no clip, full penalty
+    (1.0, 1.1, -1.1, False),    # inside the trust region
+])
+def test_policy_loss_clip_bounds(advantage, ratio, expected_loss, expected_clipped):
+    old = torch.tensor([[-1.0]])
+    logprobs = (old + math.log(ratio)).requires_grad_()
+    loss, clipped, _ = grpo.policy_loss(logprobs, old, torch.tensor([[advantage]]), clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    assert clipped.item() == expected_clipped
+    loss.sum().backward()
+    # A clipped token passes no gradient; an unclipped one passes -advantage * ratio.
+    assert logprobs.grad.item() == pytest.approx(0.0 if expected_clipped else -advantage * ratio, abs=1e-5)
+
+
+def test_k3_kl_by_hand():
+    logprobs, ref = torch.tensor([[math.log(0.25)]]), torch.tensor([[math.log(0.5)]])
+    loss, _, kl = grpo.policy_loss(logprobs, logprobs, torch.zeros(1, 1), 0.2, 0.2, ref_logprobs=ref, kl_coef=0.1)
+    assert kl.item() == pytest.approx(2 - math.log(2) - 1, abs=1e-6)  # ratio ref/pi = 2
+    assert loss.item() == pytest.approx(0.1 * (2 - math.log(2) - 1), abs=1e-6)
+
+
+TOKEN_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token-mean", (1 + 2 + 3 + 4 + 5 + 6) / 6),
+    ("seq-mean-token-mean", (2 + 4 + 5.5) / 3),
+    ("seq-mean-token-sum-norm", (6 + 4 + 11) / (3 * 4)),  # max_response_len 4
+])
+def test_loss_aggregation_by_hand_and_split_invariant(mode, expected):
+    whole = grpo.aggregate_loss(TOKEN_LOSS, MASK, mode, num_tokens=6, num_seqs=3, max_response_len=4)
+    assert whole.item() == pytest.approx(expected)
+    # Micro-batches of 1 and 2 sequences add up to the same loss: the normaliser is the mini-batch's.
+    parts = grpo.aggregate_loss(TOKEN_LOSS[:1], MASK[:1], mode, 6, 3, 4) + \
+        grpo.aggregate_loss(TOKEN_LOSS[1:], MASK[1:], mode, 6, 3, 4)
+    assert parts.item() == pytest.approx(expected)
+
+
+def test_pad_samples_aligns_targets():
+    samples = [dict(prompt_ids=[5, 6], response_ids=[7, 8, 2], logprobs=[-0.1, -0.2, -0.3], advantage=1.0, loss_weight=1.0),
+               dict(prompt_ids=[5, 6, 9], response_ids=[3], logprobs=[-0.4], advantage=-1.0, loss_weight=0.0)]
+    batch = grpo.pad_samples(samples, pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 2], [5, 6, 9, 3, 0]]
+    # Position t predicts token t + 1: the first response token is predicted at the last prompt position.
+    assert batch["response_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
+    assert batch["rollout_logprobs"][0].tolist() == pytest.approx([0, -0.1, -0.2, -0.3])
+    assert batch["rollout_logprobs"][1].tolist() == pytest.approx([0, 0, -0.4, 0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2: one update on 2 gloo ranks (half the samples each) equals the same update on 1 rank.
+
+def tiny_model():
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def fixed_batch(num_samples: int = 8):
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(num_samples):
+        prompt = torch.randint(3, 40, (2 + i % 3,), generator=g).tolist()
+        response = torch.randint(3, 40, (1 + (i * 5) % 4,), generator=g).tolist()
+        samples.append(dict(prompt_ids=prompt, response_ids=response, logprobs=[-1.0] * len(response),
+                            advantage=float(i % 2) - 0.5 + 0.1 * i, loss_weight=1.0))
+    return samples
+
+
+def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = shard_model(tiny_model(), torch.device("cpu"))
+    args = grpo.Args(loss_agg=loss_agg, micro_batch_size=3, num_mini_batches=2, max_response_len=4)
+    # Rank r takes samples r, r + world, ...: with no shuffle, mini-batch k then holds the same global samples
+    # for 1 and 2 ranks, split into different micro-batches.
+    batch = grpo.pad_samples(fixed_batch()[rank::world], pad_token_id=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # not Adam: Adam hides a wrong gradient scale
+    batch["old_logprobs"] = grpo.compute_logprobs(model, batch, 2, args.temperature, torch.device("cpu")) - 0.05
+    stats = grpo.update_policy(model, optimizer, batch, args, world, torch.device("cpu"), generator=None)
+    loss = torch.tensor([stats["loss"]], dtype=torch.float64)
+    dist.all_reduce(loss)
+    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"loss": loss.item() / world, "state": state}, os.path.join(out_dir, f"world{world}.pt"))
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_two_ranks_match_one_rank(tmp_path, loss_agg):
+    for world in (1, 2):
+        mp.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path)), nprocs=world, join=True)
+    one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
+    initial = dict(tiny_model().named_parameters())
+    for name, weight in one["state"].items():
+        assert not torch.allclose(weight, initial[name].detach()), f"{name} did not change"  # the update did something
+        torch.testing.assert_close(two["state"][name], weight, rtol=1e-4, atol=1e-5)

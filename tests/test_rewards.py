@@ -1,0 +1,168 @@
+import math
+import threading
+
+import pytest
+
+from common.rewards import RewardError, compute_rewards, gsm8k_reward, last_boxed, load_reward_fn, math_reward
+
+GSM8K_ANSWER = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+MATH_SOLUTION = "Half of the marbles are red, so the answer is $\\boxed{\\frac{1}{2}}$."
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("She sold 24 in May, 48 + 24 = 72, so the answer is #### 72", GSM8K_ANSWER, 1.0),
+        ("She sold 24 in May, so the answer is #### 71", GSM8K_ANSWER, 0.0),
+        ("48 + 24 = 72 clips in total.", GSM8K_ANSWER, 1.0),  # no '####': last number
+        ("72 clips? No: 48 + 24 = 73.", GSM8K_ANSWER, 0.0),  # the last number counts, not the first
+        ("#### 72\n\nQuestion: Tom has 5 apples.", GSM8K_ANSWER, 1.0),  # text after the answer is ignored
+        ("#### 72.0", GSM8K_ANSWER, 1.0),
+        ("I am not sure how to solve this.", GSM8K_ANSWER, 0.0),
+        ("The total is #### 1234", "So 1000 + 234 = <<1000+234=1234>>1234.\n#### 1,234", 1.0),
+        ("The total is $1,234.", "#### 1234", 1.0),
+        ("The total is #### 1,235", "#### 1,234", 0.0),
+        ("The change is #### -3", "#### -3", 1.0),
+        ("#### 72", "72", 1.0),  # a bare reference answer
+    ],
+)
+def test_gsm8k_reward(completion, answer, expected):
+    assert gsm8k_reward("How many clips did Natalia sell?", completion, answer) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("So the probability is \\boxed{0.5}.", MATH_SOLUTION, 1.0),
+        ("So the probability is \\boxed{\\frac{2}{4}}.", MATH_SOLUTION, 1.0),
+        ("So the probability is $\\boxed{\\frac{1}{2}}$.", MATH_SOLUTION, 1.0),
+        ("So the probability is \\boxed{\\frac{1}{3}}.", MATH_SOLUTION, 0.0),
+        ("So the probability is one half.", MATH_SOLUTION, 0.0),
+        ("First \\boxed{3}, then correcting myself: \\boxed{\\frac{1}{2}}.", MATH_SOLUTION, 1.0),
+        ("First \\boxed{\\frac{1}{2}}, then correcting myself: \\boxed{3}.", MATH_SOLUTION, 0.0),
+        ("So the probability is \\boxed{\\frac{1}{2", MATH_SOLUTION, 0.0),  # cut off mid-answer
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),  # a bare reference answer
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
+        ("\\boxed{x^2 + 1}", "(x+1)^2", 0.0),
+    ],
+)
+def test_math_reward(completion, answer, expected):
+    assert math_reward("What fraction of the marbles are red?", completion, answer) == expected
+
+
+def test_last_boxed_matches_nested_braces():
+    assert last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{\\sqrt{2}}} c") == "\\frac{1}{\\sqrt{2}}"
+    assert last_boxed("no box here") is None
+
+
+@pytest.mark.parametrize("garbage", ["", "}}}{{\\frac{", "\\boxed{\\frac{", "\\boxed{}}}", "#### ", "\\boxed{\\left(}"])
+def test_garbage_scores_zero(garbage):
+    assert gsm8k_reward("q", garbage, GSM8K_ANSWER) == 0.0
+    assert math_reward("q", garbage, MATH_SOLUTION) == 0.0
+    assert math_reward("q", "\\boxed{1}", garbage) == 0.0
+
+
+def test_rewards_work_off_the_main_thread():
+    # math-verify's signal-based timeout raises outside the main thread unless we turn it off there
+    results = {}
+    thread = threading.Thread(
+        target=lambda: results.update(
+            gsm8k=gsm8k_reward("q", "#### 72", GSM8K_ANSWER), math=math_reward("q", "\\boxed{0.5}", MATH_SOLUTION)
+        )
+    )
+    thread.start()
+    thread.join()
+    assert results == {"gsm8k": 1.0, "math": 1.0}
+
+
+def test_load_builtin_rewards():
+    assert load_reward_fn("gsm8k") is gsm8k_reward
+    assert load_reward_fn("math") is math_reward
+
+
+def test_load_reward_from_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def length_reward(prompt, completion, answer):\n    return len(completion) / 10\n")
+    reward_fn = load_reward_fn(f"{path}:length_reward")
+    assert reward_fn("p", "12345", "a") == 0.5
+
+
+@pytest.mark.parametrize(
+    "source, function, error, words",
+    [
+        (None, "f", FileNotFoundError, ["not found"]),
+        ("import not_a_real_module\n", "f", ValueError, ["failed to import", "ModuleNotFoundError"]),
+        ("def score(p, c, a):\n    return 1.0\nclass Grader:\n    pass\n", "f", ValueError, ["no 'f'", "score", "Grader"]),
+        ("THRESHOLD = 0.5\n", "THRESHOLD", ValueError, ["float", "not a function"]),
+    ],
+)
+def test_load_reward_errors(tmp_path, source, function, error, words):
+    path = tmp_path / "reward.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(error) as info:
+        load_reward_fn(f"{path}:{function}")
+    assert str(path) in str(info.value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_load_reward_import_error_is_chained(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text("1 / 0\n")
+    with pytest.raises(ValueError, match="failed to import") as info:
+        load_reward_fn(f"{path}:f")
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_load_reward_lists_only_functions_the_file_defines(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text("from math import sqrt\ndef score(p, c, a):\n    return 1.0\n")
+    with pytest.raises(ValueError) as info:
+        load_reward_fn(f"{path}:f")
+    assert "score" in str(info.value) and "sqrt" not in str(info.value)
+
+
+def test_load_unknown_reward_name_lists_known_ones():
+    with pytest.raises(ValueError) as info:
+        load_reward_fn("gsm9k")
+    for word in ["gsm9k", "gsm8k", "math", "synthetic", "file.py:function_name"]:
+        assert word in str(info.value)
+
+
+def test_compute_rewards_converts_to_float():
+    rewards = compute_rewards(lambda p, c, a: c == a, ["p1", "p2", "p3"], ["x", "y", "z"], ["x", "x", "z"])
+    assert rewards == [1.0, 0.0, 1.0] and all(type(r) is float for r in rewards)
+    assert compute_rewards(lambda p, c, a: len(c), ["p"], ["abc"], ["a"]) == [3.0]
+
+
+def test_compute_rewards_names_the_sample_that_raised():
+    def reward_fn(prompt, completion, answer):
+        if completion == "bad":
+            raise KeyError("missing field")
+        return 1.0
+
+    long_prompt = "Question two: " + "x" * 1000
+    with pytest.raises(RewardError) as info:
+        compute_rewards(reward_fn, ["q1", long_prompt, "q3"], ["ok", "bad", "bad"], ["a1", "a2", "a3"])
+    message = str(info.value)
+    assert "sample 1" in message and "Question two" in message and "'bad'" in message and "'a2'" in message
+    assert "KeyError" in message and "missing field" in message
+    assert "q3" not in message  # only the first failing sample
+    assert len(message) < 1000  # the long prompt was shortened
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, None, "1.0", [1.0]])
+def test_compute_rewards_rejects_non_finite_or_non_number(bad):
+    with pytest.raises(RewardError) as info:
+        compute_rewards(lambda p, c, a: bad if c == "b" else 0.0, ["pa", "pb"], ["a", "b"], ["x", "y"])
+    assert "sample 1" in str(info.value) and repr(bad) in str(info.value) and "'pb'" in str(info.value)
+
+
+def test_compute_rewards_length_mismatch():
+    with pytest.raises(ValueError, match="2 prompts, 1 completions"):
+        compute_rewards(gsm8k_reward, ["p", "q"], ["c"], ["a"])
