@@ -25,7 +25,7 @@ import torch.distributed as dist
 import tyro
 
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
-from common.distributed import all_reduce_sum, init_distributed, raise_on_all_ranks
+from common.distributed import all_reduce_sum, init_distributed, quiet_libraries, raise_on_all_ranks
 from common.logger import Logger, StageTimer
 from common.model import load_model, load_tokenizer, save_model_config, shard_model, token_logprobs
 from common.rewards import compute_rewards, load_reward_fn
@@ -68,9 +68,9 @@ class Args:
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False
     """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch"""
-    prompts_per_step: int = 64
+    prompts_per_step: int = 16
     """prompts per step over all ranks"""
-    group_size: int = 8
+    group_size: int = 16
     """responses sampled per prompt"""
     temperature: float = 1.0
     """sampling temperature (the trainer's log-probs use the same temperature)"""
@@ -78,16 +78,16 @@ class Args:
     """nucleus sampling threshold"""
     max_prompt_len: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
-    max_response_len: int = 8
-    """maximum new tokens per response; generation also stops at EOS"""
+    max_response_len: int | None = None
+    """maximum new tokens per response (generation also stops at EOS); unset: 2 for the built-in task, else 1024"""
 
     # optimisation
-    steps: int = 60
+    steps: int = 200
     """number of GRPO steps (rollout + update)"""
-    lr: float = 3e-3
-    """AdamW learning rate"""
+    lr: float | None = None
+    """AdamW learning rate; unset: 1e-3 for the built-in tiny model (random init), else 1e-6"""
     warmup_steps: int = 5
-    """linear learning-rate warmup, in steps"""
+    """linear learning-rate warmup over this many updates"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -116,7 +116,7 @@ class Args:
     """recompute each decoder layer in backward to save memory"""
 
     # evaluation, checkpoints, logging
-    eval_every: int = 10
+    eval_every: int = 25
     """greedy evaluation on the held-out prompts every this many steps (and before and after training)"""
     save_every: int = 0
     """write an HF-format checkpoint every this many steps; 0: only at the end"""
@@ -281,6 +281,7 @@ def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, wor
 def main():
     args = tyro.cli(Args)
     rank, world, device = init_distributed()
+    quiet_libraries()
     tp = args.rollout_tp
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks")
@@ -292,7 +293,11 @@ def main():
     dataset_name = "builtin" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).split(".")[0]
     run_name = args.run_name or f"grpo_{dataset_name}_s{args.seed}"
     output_dir = args.output_dir or os.path.join("runs", run_name)
-    reward_spec = args.reward_fn or ("synthetic" if args.dataset is None else "gsm8k")
+    # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
+    builtin = args.dataset is None
+    args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
+    args.max_response_len = args.max_response_len or (2 if builtin else 1024)
+    args.lr = args.lr or (1e-3 if args.model is None else 1e-6)
     torch.manual_seed(args.seed)
 
     # Model, reference model, optimizer.
@@ -313,7 +318,7 @@ def main():
     logger.print(f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} "
                  f"longer than --max-prompt-len {args.max_prompt_len}")
     sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
-    reward_fn = load_reward_fn(reward_spec)
+    reward_fn = load_reward_fn(args.reward_fn)
 
     # Rollout engine: sees only token ids; stops at EOS.
     stop_ids = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_stop_ids", [])))
@@ -392,7 +397,8 @@ def main():
         # 5. Policy update.
         with timer("update"):
             stats = update_policy(policy, optimizer, batch, args, world, device, generator)
-            scheduler.step()
+            if stats["opt_steps"]:  # the schedule counts updates (a batch of equal-reward groups makes none)
+                scheduler.step()
 
         # 6. Log: sums over ranks, then means.
         mask = batch["response_mask"]

@@ -27,6 +27,15 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def quiet_libraries() -> None:
+    """Silences the progress bars and advice HF libraries print once per rank; our own logger speaks for all."""
+    import datasets
+    import transformers
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def raise_on_all_ranks(error: BaseException | None) -> None:
     """Collective: if any rank passes an error, every rank raises it (named by rank) instead of hanging."""
     messages = [None] * dist.get_world_size()

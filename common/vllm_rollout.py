@@ -18,9 +18,13 @@ from common.rollout import Completion
 from sharding.vllm_sync import check_weight_sync, sync_weights_to_vllm
 
 
-def request_seed(step_seed: int, replica: int, request_index: int, sample_index: int) -> int:
-    """A sampling seed per request: equal on the ranks of one replica, different across replicas, steps and samples."""
-    key = f"{step_seed}/{replica}/{request_index}/{sample_index}".encode()
+def request_seed(step_seed: int, replica: int, request_index: int) -> int:
+    """A sampling seed per request: equal on the ranks of one replica, different across replicas and steps.
+
+    vLLM seeds the n samples of a request with seed, seed + 1, ..., seed + n - 1; hashing spreads the requests'
+    seeds over 2**62 values, so those runs do not overlap in practice.
+    """
+    key = f"{step_seed}/{replica}/{request_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2  # < 2**62: fits int64
 
 
@@ -86,22 +90,17 @@ class VLLMRolloutEngine:
             torch.cuda.empty_cache()
             self.llm.wake_up()
             self.asleep = False
-        per_prompt = 1 if greedy else n
         by_rank = self._gather_prompts(prompt_ids)
-        requests, params = [], []
-        for i, prompt in enumerate(p for rank_prompts in by_rank for p in rank_prompts):
-            for j in range(per_prompt):
-                requests.append(TokensPrompt(prompt_token_ids=prompt))
-                params.append(SamplingParams(
-                    n=1, max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
-                    top_p=1.0 if greedy else top_p, seed=request_seed(seed, self.replica, i, j),
-                    stop_token_ids=[] if ignore_eos else self.stop_token_ids, ignore_eos=ignore_eos,
-                    logprobs=0,  # 0 extra top tokens: only the sampled token's log-prob
-                    flat_logprobs=True, detokenize=False))
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
-        first = sum(len(p) for p in by_rank[:self.tp_rank]) * per_prompt  # this rank's slice of the replica's requests
-        completions = [to_completion(o.outputs[0]) for o in outputs[first:first + len(prompt_ids) * per_prompt]]
-        return [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
+        requests = [TokensPrompt(prompt_token_ids=p) for rank_prompts in by_rank for p in rank_prompts]
+        params = [SamplingParams(
+            n=1 if greedy else n,  # vLLM allows only n=1 with greedy decoding
+            max_tokens=max_tokens, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+            seed=request_seed(seed, self.replica, i), stop_token_ids=[] if ignore_eos else self.stop_token_ids,
+            ignore_eos=ignore_eos, logprobs=0,  # 0 extra top tokens: only the sampled token's log-prob
+            flat_logprobs=True, detokenize=False) for i in range(len(requests))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []  # in request order
+        first = sum(len(p) for p in by_rank[:self.tp_rank])  # this rank's slice of the replica's requests
+        return [[to_completion(c) for c in o.outputs] for o in outputs[first:first + len(prompt_ids)]]
 
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Collective: brings the trainer's current weights into vLLM, waking it up around them."""

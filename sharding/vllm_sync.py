@@ -9,6 +9,7 @@ element by element with what vLLM actually holds.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 # Wrappers (activation checkpointing, FSDP1, torch.compile) that insert a level into parameter names.
@@ -39,6 +40,11 @@ def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module, dtype: 
     A tied lm_head is skipped: vLLM's tied models share embed_tokens and skip "lm_head." when loading.
     """
     tied = getattr(getattr(vllm_model, "config", None), "tie_word_embeddings", False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # A forward without backward leaves the root's weights gathered, and named_parameters() would then
+            # return that gathered copy, stale after an optimizer step; resharding puts the master weights back.
+            module.reshard()
     for name, param in model.named_parameters():
         name = hf_name(name)
         if tied and name == "lm_head.weight":
@@ -106,9 +112,9 @@ def vllm_slices(vllm_model: torch.nn.Module, name: str, full: torch.Tensor):
     if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and index is None:
         raise NotImplementedError(f"{name}: checkpoints with already fused {leaf} are not supported")
     if isinstance(module, QKVParallelLinear):
-        q_size = module.num_heads * module.head_size
-        kv_size = module.num_kv_heads * module.head_size
-        offset, size = [(0, q_size), (q_size, kv_size), (q_size + kv_size, module.num_kv_heads * module.v_head_size)][index]
+        q_size, k_size = module.num_heads * module.head_size, module.num_kv_heads * module.head_size
+        v_size = module.num_kv_heads * module.v_head_size
+        offset, size = [(0, q_size), (q_size, k_size), (q_size + k_size, v_size)][index]
         shard = module.tp_rank if index == 0 else module.tp_rank // module.num_kv_head_replicas
         return vllm_name, [(local.narrow(0, offset, size), full.narrow(0, shard * size, size))]
     if isinstance(module, MergedColumnParallelLinear):

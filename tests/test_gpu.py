@@ -52,6 +52,7 @@ def colocated(tmp_path_factory):
 
 def test_sync_makes_vllm_equal_the_trainer(colocated):
     policy, engine = colocated
+    policy.reshard()  # the perturbations below must hit the sharded master weights, not a gathered copy
     metrics = engine.update_weights(policy)  # dummy weights -> trainer weights
     expected_bytes = sum(p.numel() for p in policy.parameters()) * 2  # bf16; the tied head is counted once
     assert metrics["sync/gb"] == pytest.approx(expected_bytes / 1e9)

@@ -1,0 +1,65 @@
+"""The built-in task: name the largest of three numbers, small enough that GRPO learns it from random weights on a CPU.
+
+A prompt reads "max 7 13 2 =" and its answer is "13". The tokenizer is word-level with one token per number
+0..NUM_VALUES-1, so every answer is a single token and a random policy already hits it about once in NUM_VALUES
+tries: the reward is dense enough for GRPO to start from a randomly initialised model, with no pretraining.
+Reward rule: 1.0 when the first number in the completion equals the answer, else 0.0. Whatever follows that number
+is ignored, so the model need not learn to stop before it can be rewarded.
+The test split holds number triples that never appear in training in any order, so held-out accuracy measures a
+learned comparison, not recall of training prompts.
+"""
+
+import itertools
+import random
+import re
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config
+
+NUM_VALUES = 30  # numbers 0..29, each one token
+NUMBERS_PER_PROMPT = 3
+TEST_FRACTION = 0.1  # of the distinct number sets; all orderings of a set land in the same split
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+WORDS = ["max", "="] + [str(n) for n in range(NUM_VALUES)]
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {word: token_id for token_id, word in enumerate(SPECIAL_TOKENS + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # without a decoder, decode joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def tiny_model_config(tokenizer) -> Qwen2Config:
+    # About 135k parameters. head_dim 32 is a size every vLLM attention backend supports.
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,  # as in Qwen2: no separate BOS token, none is prepended
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def make_synthetic_rows(split: str, seed: int = 0) -> list[dict]:
+    """Rows {"prompt", "answer"} of one split, in a shuffled order; the same seed always gives the same rows."""
+    assert split in ("train", "test"), split
+    number_sets = list(itertools.combinations_with_replacement(range(NUM_VALUES), NUMBERS_PER_PROMPT))
+    rng = random.Random(seed)
+    rng.shuffle(number_sets)
+    num_test_sets = int(len(number_sets) * TEST_FRACTION)
+    chosen_sets = number_sets[:num_test_sets] if split == "test" else number_sets[num_test_sets:]
+    triples = sorted({order for numbers in chosen_sets for order in itertools.permutations(numbers)})
+    rng.shuffle(triples)
+    return [{"prompt": "max " + " ".join(map(str, triple)) + " =", "answer": str(max(triple))} for triple in triples]
+
+
+def synthetic_reward(prompt: str, completion: str, answer: str) -> float:
+    first_number = re.search(r"-?\d+", completion)
+    return float(first_number is not None and first_number.group() == answer)

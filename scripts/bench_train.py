@@ -1,0 +1,211 @@
+"""Benchmark the training step: packed token-budget micro-batches against padded fixed-size ones, in one run.
+
+A random-weight Qwen2.5 shape on one GPU under FSDP2 (bf16 compute, fp32 master weights, AdamW), fed batches of
+samples whose responses have long-tailed lengths (lognormal, median --median-response, capped at --max-response)
+after a --prompt-len-token prompt. Every step is GRPO-shaped: log-probs of the response tokens, an
+advantage-weighted token-mean loss, backward, AdamW. Both modes see the same batches:
+- packed: micro-batches of at most --max-tokens tokens packed into one row each (common/batching.py): varlen
+  attention, the LM head in chunks on the response positions only;
+- padded: --padded-micro-batch samples per micro-batch in arrival order, right-padded to their longest, sdpa with a
+  padding mask and full float32 logits (common/model.token_logprobs): the naive step.
+Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time / peak), padding fraction and peak
+memory for each, as JSON to --out.
+
+    python scripts/bench_train.py --out benchmarks/results/train_packing_1gpu.json
+    python scripts/bench_train.py --tiny        # CPU smoke test, seconds
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
+from common.batching import (batching_metrics, mfu, pack_sequences, packed_token_logprobs, peak_flops,  # noqa: E402
+                             plan_micro_batches, use_packed_attention)
+from common.distributed import init_distributed  # noqa: E402
+from common.model import shard_model, token_logprobs  # noqa: E402
+
+# Qwen2.5 architectures (the same as scripts/bench_sync.py), and a tiny one for the CPU smoke test.
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+}
+# Defaults that fit one 80 GB H100 without activation checkpointing: the packed token budget, and the padded
+# baseline's samples per micro-batch (its full float32 logits over 4k-token rows are what runs out first).
+MAX_TOKENS = {"0.5b": 16384, "1.5b": 8192, "tiny": 512}
+PADDED_MICRO_BATCH = {"0.5b": 4, "1.5b": 2, "tiny": 4}
+
+
+def sample_batch(num_samples: int, prompt_len: int, median: int, sigma: float, cap: int, vocab: int,
+                 seed: int) -> list[dict]:
+    """Random prompt + response token ids, the response length lognormal around `median`, and an advantage each."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(math.log(median) + sigma * torch.randn(num_samples, generator=g)).round().clamp(1, cap)
+    return [dict(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                 response_ids=torch.randint(0, vocab, (int(n),), generator=g).tolist(),
+                 advantage=float(torch.randn(1, generator=g))) for n in lengths]
+
+
+def packed_step(model, optimizer, samples, max_tokens: int, chunk_tokens: int, device) -> list[list[int]]:
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    num_scored = sum(len(s["response_ids"]) for s in samples)
+    plan = plan_micro_batches(lengths, max_tokens)
+    for mb in plan:
+        mb_samples = [samples[i] for i in mb]
+        packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in mb_samples],
+                                [len(s["response_ids"]) for s in mb_samples])
+        logprobs, _ = packed_token_logprobs(model, packed, temperature=1.0, chunk_tokens=chunk_tokens)  # [scored]
+        advantages = torch.tensor([s["advantage"] for s in mb_samples]).repeat_interleave(
+            torch.tensor(packed["num_scored"])).to(device)
+        (-(logprobs * advantages).sum() / num_scored).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return plan
+
+
+def padded_step(model, optimizer, samples, micro_batch: int, device) -> list[list[int]]:
+    num_scored = sum(len(s["response_ids"]) for s in samples)
+    plan = [list(range(start, min(start + micro_batch, len(samples)))) for start in range(0, len(samples), micro_batch)]
+    for mb in plan:
+        seqs = [samples[i]["prompt_ids"] + samples[i]["response_ids"] for i in mb]
+        longest = max(map(len, seqs))
+        ids = torch.zeros(len(mb), longest, dtype=torch.long)
+        mask = torch.zeros(len(mb), longest, dtype=torch.long)
+        weights = torch.zeros(len(mb), longest - 1)  # per target: the advantage on response tokens
+        for row, (i, seq) in enumerate(zip(mb, seqs)):
+            p = len(samples[i]["prompt_ids"])
+            ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
+            weights[row, p - 1:len(seq) - 1] = samples[i]["advantage"]
+        logprobs, _ = token_logprobs(model, ids.to(device), mask.to(device), temperature=1.0)  # [batch, seq - 1]
+        (-(logprobs * weights.to(device)).sum() / num_scored).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return plan
+
+
+def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]], args, device) -> dict:
+    """The first batch warms up (allocator, kernels); the others are timed. OOM is reported, not raised."""
+    def step(samples):
+        if mode == "packed":
+            return packed_step(model, optimizer, samples, args.max_tokens[shape], args.chunk_tokens, device)
+        return padded_step(model, optimizer, samples, args.padded_micro_batch[shape], device)
+
+    try:
+        step(batches[0])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        seconds, tokens, metrics = 0.0, 0, []
+        for samples in batches[1:]:
+            start = time.perf_counter()
+            if args.profile and device.type == "cuda":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    plan = step(samples)
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+            else:
+                plan = step(samples)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - start
+            lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+            tokens += sum(lengths)
+            metrics.append(batching_metrics(plan, lengths, device, padded=mode == "padded"))
+    except torch.OutOfMemoryError as e:
+        optimizer.zero_grad(set_to_none=True)
+        return {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    num_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the full size; tied head once
+    result = {"tokens_per_s": tokens / seconds, "step_s": seconds / len(metrics),
+              "mfu": mfu(num_params, tokens, seconds, peak_flops(device)),
+              "padding_frac": sum(m["batch/padding_frac"] for m in metrics) / len(metrics),
+              "micro_batches_per_step": sum(m["batch/micro_batches_per_rank"] for m in metrics) / len(metrics),
+              "tokens_per_micro_batch": sum(m["batch/tokens_per_micro_batch"] for m in metrics) / len(metrics),
+              "tokens_per_step": tokens / len(metrics)}
+    if device.type == "cuda":
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    return result
+
+
+def bench_shape(shape: str, args, device) -> dict:
+    config = Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = shard_model(model, device, args.activation_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    batches = [sample_batch(args.num_samples, args.prompt_len, args.median_response, args.sigma, args.max_response,
+                            config.vocab_size, seed=step) for step in range(args.steps + 1)]
+    results = {"num_params": sum(p.numel() for p in model.parameters())}
+    for mode in args.modes:
+        if mode == "packed" and args.packed_attention == "auto":
+            results["packed_attention"] = use_packed_attention(model, device)
+        elif mode == "packed":
+            results["packed_attention"] = args.packed_attention
+            model.set_attn_implementation(args.packed_attention)
+        else:
+            model.set_attn_implementation("sdpa")
+        results[mode] = run_mode(mode, shape, model, optimizer, batches, args, device)
+        print(f"{shape} {mode}: {json.dumps(results[mode])}", flush=True)
+    if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("padded", {}):
+        results["packed_speedup"] = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["0.5b", "1.5b"])
+    parser.add_argument("--modes", nargs="+", choices=["packed", "padded"], default=["packed", "padded"])
+    parser.add_argument("--num-samples", type=int, default=256, help="samples per step (one optimizer step)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--median-response", type=int, default=300)
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal shape: 1.0 gives a mean of 1.65 x median")
+    parser.add_argument("--max-response", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"packed: token budget per micro-batch (default per shape: {MAX_TOKENS})")
+    parser.add_argument("--chunk-tokens", type=int, default=2048, help="packed: tokens per LM-head chunk")
+    parser.add_argument("--packed-attention", default="auto",
+                        help="auto (varlen kernel on CUDA, sdpa on CPU), flex_attention, sdpa, ...")
+    parser.add_argument("--padded-micro-batch", type=int, default=None,
+                        help=f"padded: samples per micro-batch (default per shape: {PADDED_MICRO_BATCH})")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the costliest GPU kernels of each timed step")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, few short samples")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args()
+    if args.tiny:
+        args.shapes, args.num_samples, args.steps, args.prompt_len = ["tiny"], 16, 1, 16
+        args.median_response, args.max_response, args.chunk_tokens = 30, 200, 128
+    args.max_tokens = {s: args.max_tokens or MAX_TOKENS[s] for s in args.shapes}
+    args.padded_micro_batch = {s: args.padded_micro_batch or PADDED_MICRO_BATCH[s] for s in args.shapes}
+
+    # Micro-batches of varying sizes fragment the caching allocator's fixed segments.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _, _, device = init_distributed()
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args),
+              "results": {shape: bench_shape(shape, args, device) for shape in args.shapes}}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
