@@ -146,7 +146,7 @@ def pack_sequences(seqs: list[list[int]], num_scored: list[int] | None = None) -
     """Packs token sequences end to end into one row. The last num_scored[i] tokens of sequence i are the ones
     whose log-probs are wanted (default: all but its first); position t predicts token t + 1 of its own sequence.
 
-    Returns (on CPU; `to_device` moves it):
+    Returns (on CPU; packed_token_logprobs moves what it needs):
       input_ids    [1, total]   the sequences end to end
       position_ids [1, total]   0, 1, ... per sequence: the rotary positions, and the sequence boundaries for sdpa,
                                 eager and flex attention in transformers (they build a block-diagonal causal mask)
@@ -175,10 +175,6 @@ def pack_sequences(seqs: list[list[int]], num_scored: list[int] | None = None) -
             "cu_seqlens": torch.tensor(offsets, dtype=torch.int32), "max_seqlen": max(map(len, seqs)),
             "target_index": torch.tensor(target_index, dtype=torch.long),
             "targets": torch.tensor(targets, dtype=torch.long), "num_scored": list(num_scored)}
-
-
-def to_device(packed: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in packed.items()}
 
 
 def pad_rows(rows: list, value: float = 0.0) -> torch.Tensor:
@@ -227,7 +223,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, len(hidden), ctx.chunk_tokens):
             chunk = slice(start, start + ctx.chunk_tokens)
             logits = (hidden[chunk] @ weight.T).float().div_(ctx.temperature)  # [chunk, vocab]
-            # In place (each pass over [chunk, vocab] floats costs as much as the matmul): -softmax, + onehot, x dL/dlogp
+            # In place, since each pass over [chunk, vocab] floats costs time: -softmax, + onehot, x dL/dlogp
             grad_logits = logits.sub_(logsumexp[chunk, None]).exp_().neg_()
             grad_logits.scatter_add_(-1, targets[chunk, None], torch.ones_like(grad_logits[:, :1]))
             grad_logits = grad_logits.mul_(grad_logprobs[chunk, None] / ctx.temperature).to(hidden.dtype)

@@ -2,7 +2,8 @@
 
 A prompt reads "max 7 13 2 =" and its answer is "13". The tokenizer is word-level with one token per number
 0..NUM_VALUES-1, so every answer is a single token and a random policy already hits it about once in NUM_VALUES
-tries: the reward is dense enough for GRPO to start from a randomly initialised model, with no pretraining.
+tries (always answering the same number scores about 0.1): the reward is dense enough for GRPO to start from a
+randomly initialised model, with no pretraining.
 Reward rule: 1.0 when the first number in the completion equals the answer, else 0.0. Whatever follows that number
 is ignored, so the model need not learn to stop before it can be rewarded.
 The test split holds number triples that never appear in training in any order, so held-out accuracy measures a
@@ -61,5 +62,6 @@ def make_synthetic_rows(split: str, seed: int = 0) -> list[dict]:
 
 
 def synthetic_reward(prompt: str, completion: str, answer: str) -> float:
+    # The prompt is unused; it is in the signature that every reward function shares.
     first_number = re.search(r"-?\d+", completion)
     return float(first_number is not None and first_number.group() == answer)

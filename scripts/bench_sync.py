@@ -25,21 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root ho
 from common.distributed import init_distributed  # noqa: E402
 from common.model import shard_model  # noqa: E402
 from common.vllm_rollout import VLLMRolloutEngine  # noqa: E402
-
-# Qwen2.5 architectures (hidden size, MLP size, layers, query heads, kv heads, vocabulary, tied embeddings).
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-
-
-def qwen2_config(shape: str) -> Qwen2Config:
-    return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
-
+from scripts.random_model import SHAPES, qwen2_config  # noqa: E402
 
 def save_config(config: Qwen2Config, path: str, rank: int) -> str:
     """config.json only: the engine starts with dummy weights and gets the real ones from the trainer."""

@@ -340,5 +340,10 @@ def test_packed_attention_on_gpu_matches_padded(attn):
     with torch.no_grad():
         packed = pack_sequences(seqs)
         lp, _ = packed_token_logprobs(model, packed, temperature=0.7)
-    for got, want in zip(torch.split(lp, packed["num_scored"]), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0.1)
+        alone, _ = packed_token_logprobs(model, pack_sequences(seqs[-1:]), temperature=0.7)
+    # bf16 against fp32 is a few hundredths per token; attending across a boundary would be far off.
+    diff = (lp - torch.cat(expected)).abs()
+    assert diff.mean() < 0.03 and diff.max() < 0.25, f"mean {diff.mean():.4f}, max {diff.max():.4f}"
+    # The same kernel on the long sequence alone and packed after 12 others: the same numbers.
+    leak = (lp[-len(alone):] - alone).abs().max()
+    assert leak < 0.02, f"max {leak:.4f}"

@@ -23,7 +23,7 @@ def test_splits_are_disjoint_deterministic_and_cover_every_triple():
     assert make_synthetic_rows("test", seed=1) != test
     train_prompts, test_prompts = {row["prompt"] for row in train}, {row["prompt"] for row in test}
     assert len(train_prompts) == len(train) and len(test_prompts) == len(test)
-    assert len(train_prompts | test_prompts) == NUM_VALUES**NUMBERS_PER_PROMPT  # 20**3 triples, each in one split
+    assert len(train_prompts | test_prompts) == NUM_VALUES**NUMBERS_PER_PROMPT  # every ordered triple, each in one split
     # No test prompt is a reordering of a training prompt.
     number_sets = lambda rows: {tuple(sorted(prompt_numbers(row["prompt"]))) for row in rows}
     assert not number_sets(train) & number_sets(test)

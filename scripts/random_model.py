@@ -1,0 +1,60 @@
+"""Random-weight models at real Qwen2.5 shapes, for GPU runs and benchmarks where no hub can be reached.
+
+    python scripts/random_model.py --shape 0.5b --out /tmp/qwen0.5b
+    torchrun --nproc_per_node 1 grpo.py --model /tmp/qwen0.5b --lr 1e-6 ...
+
+The directory holds config, bf16 safetensors and a word-level tokenizer that covers the whole vocabulary: the
+built-in task's words first (so grpo.py runs the built-in task on a model of real size and speed), then one
+filler word per remaining id (so every sampled token decodes to something a reward function can see).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+# Qwen2.5 architectures: hidden size, MLP size, layers, query heads, kv heads, vocabulary, tied embeddings.
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def qwen2_config(shape: str) -> Qwen2Config:
+    return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+
+
+def full_vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from common.synthetic import SPECIAL_TOKENS, WORDS
+    words = SPECIAL_TOKENS + WORDS
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def save_random_model(shape: str, out: str) -> None:
+    config = qwen2_config(shape)
+    tokenizer = full_vocab_tokenizer(config.vocab_size)
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--out", required=True, help="directory to write")
+    args = parser.parse_args()
+    save_random_model(args.shape, args.out)
