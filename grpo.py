@@ -27,9 +27,12 @@ import tyro
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
 from common.distributed import all_reduce_sum, init_distributed, quiet_libraries, raise_on_all_ranks
 from common.logger import Logger, StageTimer
-from common.model import load_model, load_tokenizer, save_model_config, shard_model, token_logprobs
+from common.batching import (batching_metrics, equalize_micro_batches, max_over_ranks, mfu, pack_sequences,
+                             packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
+                             use_packed_attention)
+from common.model import load_model, load_tokenizer, save_model_config, shard_model
 from common.rewards import compute_rewards, load_reward_fn
-from common.rollout import make_rollout_engine
+from common.rollout import make_rollout_engine, resolve_engine_kind
 from sharding.checkpoint import save_hf_checkpoint
 
 
@@ -107,8 +110,8 @@ class Args:
     """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
     epochs: int = 1
     """passes over each rollout batch"""
-    micro_batch_size: int = 64
-    """samples per forward/backward pass (gradient accumulation within a mini-batch)"""
+    max_tokens_per_micro_batch: int = 16384
+    """token budget of one forward/backward pass: sequences are packed end to end (no padding) up to this many"""
     tis_cap: float | None = None
     """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
     rollout engine's numerical mismatch; unset: off"""
@@ -177,79 +180,79 @@ def aggregate_loss(token_loss, mask, mode: str, num_tokens: float, num_seqs: flo
     raise ValueError(f"unknown --loss-agg {mode!r}")
 
 
-def pad_samples(samples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pads prompt + response into [batch, seq] tensors; per-token tensors are aligned to targets [batch, seq - 1]."""
-    length = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    batch = {"input_ids": torch.full((len(samples), length), pad_token_id, dtype=torch.long),
-             "attention_mask": torch.zeros(len(samples), length, dtype=torch.long),
-             "response_mask": torch.zeros(len(samples), length - 1),
-             "rollout_logprobs": torch.zeros(len(samples), length - 1)}
-    for i, s in enumerate(samples):
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
-        batch["input_ids"][i, :p + r] = torch.tensor(s["prompt_ids"] + s["response_ids"])
-        batch["attention_mask"][i, :p + r] = 1
-        batch["response_mask"][i, p - 1:p + r - 1] = 1  # position t predicts token t + 1
-        batch["rollout_logprobs"][i, p - 1:p + r - 1] = torch.tensor(s["logprobs"])
-    batch["advantages"] = torch.tensor([s["advantage"] for s in samples]).unsqueeze(1)  # [batch, 1]
-    batch["loss_weight"] = torch.tensor([s["loss_weight"] for s in samples]).unsqueeze(1)  # 0: zero-variance group
-    return batch
+def sample_lengths(samples: list[dict]) -> list[int]:
+    return [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
 
 
-def micro_batches(batch: dict[str, torch.Tensor], indices: torch.Tensor, size: int, device):
-    """Yields sub-batches of `size` samples, cut to their own longest sequence and moved to device."""
-    full = batch["input_ids"].shape[1]
-    for start in range(0, len(indices), size):
-        idx = indices[start:start + size]
-        length = int(batch["attention_mask"][idx].sum(-1).max())
-        # [batch, seq] tensors keep `length` columns, per-target [batch, seq - 1] ones keep length - 1.
-        yield {k: (v[idx][:, :length] if v.shape[1] == full else
-                   v[idx][:, :length - 1] if v.shape[1] == full - 1 else v[idx]).to(device)
-               for k, v in batch.items()}
+def plan_equal_micro_batches(samples: list[dict], max_tokens: int, device) -> list[list[int]]:
+    """Token-budget micro-batches of `samples`, as many on every rank (FSDP's collectives must pair up)."""
+    lengths = sample_lengths(samples)
+    plan = plan_micro_batches(lengths, max_tokens)
+    return equalize_micro_batches(plan, lengths, max_over_ranks(len(plan), device))
+
+
+def packed_response_logprobs(model, samples: list[dict], temperature: float, with_entropy: bool = False):
+    """Packs prompt + response of each sample into one row; returns per-sample response log-probs (and entropies)."""
+    packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in samples],
+                            [len(s["response_ids"]) for s in samples] if samples else None)
+    logprobs, entropy = packed_token_logprobs(model, packed, temperature, with_entropy=with_entropy)
+    split = lambda x: None if x is None else list(x.split(packed["num_scored"]))
+    return split(logprobs), split(entropy)
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch, size: int, temperature: float, device) -> torch.Tensor:
-    """Log-probs of every target token under `model`, [batch, seq - 1], micro-batch by micro-batch."""
-    out = torch.zeros_like(batch["rollout_logprobs"])
-    for start, mb in enumerate(micro_batches(batch, torch.arange(len(out)), size, device)):
-        lp, _ = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature)
-        out[start * size:start * size + len(lp), :lp.shape[1]] = lp.float().cpu()
+def compute_logprobs(model, samples: list[dict], max_tokens: int, temperature: float, device) -> list[torch.Tensor]:
+    """Each sample's response-token log-probs under `model` ([len(response)] on CPU), in sample order."""
+    out = [None] * len(samples)
+    for mb in plan_equal_micro_batches(samples, max_tokens, device):  # an empty mb runs a dummy: same collectives
+        logprobs, _ = packed_response_logprobs(model, [samples[i] for i in mb], temperature)
+        for i, lp in zip(mb, logprobs):
+            out[i] = lp.float().cpu()
     model.reshard()  # FSDP2 keeps the root's weights gathered after a forward with no backward: free them
     return out
 
 
-def update_policy(model, optimizer, batch, args: Args, world: int, device, generator) -> dict[str, float]:
+def update_policy(model, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict[str, float]:
     """PPO-style epochs over mini-batches of the rollout batch; one optimizer step per mini-batch.
 
-    Samples are shuffled with `generator` each epoch (None keeps their order)."""
-    n = len(batch["input_ids"])
+    Each mini-batch runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on
+    all ranks, so the gradient does not depend on how it is split. Samples are shuffled with `generator` each
+    epoch (None keeps their order).
+    """
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps"], 0.0)
     for _ in range(args.epochs):
-        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-        for mini in order.chunk(args.num_mini_batches):
-            mask = batch["response_mask"][mini] * batch["loss_weight"][mini]
-            num_tokens, num_seqs = all_reduce_sum([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], device)
-            if num_tokens == 0:  # every group in this mini-batch had equal rewards on every rank
+        order = torch.randperm(len(samples), generator=generator) if generator is not None else torch.arange(len(samples))
+        for mini_indices in order.chunk(args.num_mini_batches):
+            mini = [samples[i] for i in mini_indices.tolist()]
+            num_tokens, num_seqs = all_reduce_sum([sum(len(s["response_ids"]) * s["loss_weight"] for s in mini),
+                                                   sum(s["loss_weight"] > 0 for s in mini)], device)
+            if num_tokens == 0:  # every group in this mini-batch had equal rewards, on every rank
                 continue
             optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(batch, mini, args.micro_batch_size, device):
-                logprobs, entropy = token_logprobs(model, mb["input_ids"], mb["attention_mask"], args.temperature,
-                                                   with_entropy=True)
-                mb_mask = mb["response_mask"] * mb["loss_weight"]
+            for mb in plan_equal_micro_batches(mini, args.max_tokens_per_micro_batch, device):
+                mbs = [mini[i] for i in mb]
+                logprobs, entropy = packed_response_logprobs(model, mbs, args.temperature, with_entropy=True)
+                if not mbs:  # this rank ran out of samples: a zero-weight pass keeps FSDP's collectives in step
+                    (logprobs[0].sum() * 0.0).backward()
+                    continue
+                logprobs, entropy = pad_rows(logprobs), pad_rows(entropy)  # [n, longest response]
+                old = pad_rows([s["old_logprobs"] for s in mbs]).to(device)
+                mask = pad_rows([[s["loss_weight"]] * len(s["response_ids"]) for s in mbs]).to(device)
+                advantages = torch.tensor([[s["advantage"]] for s in mbs], device=device)  # [n, 1]
+                ref = pad_rows([s["ref_logprobs"] for s in mbs]).to(device) if "ref_logprobs" in mbs[0] else None
                 tis = None
-                if args.tis_cap is not None:
-                    tis = torch.exp(mb["old_logprobs"] - mb["rollout_logprobs"]).clamp(max=args.tis_cap)
-                token_loss, clipped, kl = policy_loss(
-                    logprobs, mb["old_logprobs"], mb["advantages"], args.clip_low, args.clip_high,
-                    mb.get("ref_logprobs"), args.kl_coef, tis)
-                loss = aggregate_loss(token_loss, mb_mask, args.loss_agg, num_tokens, num_seqs, args.max_response_len)
+                if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
+                    tis = (old - pad_rows([s["logprobs"] for s in mbs]).to(device)).exp().clamp(max=args.tis_cap)
+                token_loss, clipped, kl = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high,
+                                                      ref, args.kl_coef, tis)
+                loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_seqs, args.max_response_len)
                 (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
                 with torch.no_grad():
                     sums["loss"] += loss.item() * world
-                    sums["pg_clipfrac"] += (clipped * mb_mask).sum().item()
-                    sums["kl"] += (kl * mb_mask).sum().item()
-                    sums["entropy"] += (entropy * mb_mask).sum().item()
-                    sums["tokens"] += mb_mask.sum().item()
+                    sums["pg_clipfrac"] += (clipped * mask).sum().item()
+                    sums["kl"] += (kl * mask).sum().item()
+                    sums["entropy"] += (entropy * mask).sum().item()
+                    sums["tokens"] += mask.sum().item()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             sums["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             optimizer.step()
@@ -289,6 +292,8 @@ def main():
         raise ValueError(f"--rollout-tp {tp} must divide the number of ranks ({world})")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
+    if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
+        raise ValueError(f"--num-mini-batches {args.num_mini_batches} is more than the samples per rank")
     prompts_per_rank = args.prompts_per_step // world
     dataset_name = "builtin" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).split(".")[0]
     run_name = args.run_name or f"grpo_{dataset_name}_s{args.seed}"
@@ -298,6 +303,9 @@ def main():
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = args.max_response_len or (2 if builtin else 1024)
     args.lr = args.lr or (1e-3 if args.model is None else 1e-6)
+    if args.max_prompt_len + args.max_response_len > args.max_tokens_per_micro_batch:
+        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole sequence: "
+                         f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
     torch.manual_seed(args.seed)
 
     # Model, reference model, optimizer.
@@ -306,6 +314,13 @@ def main():
     reference = None
     if args.kl_coef > 0:
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+    # Training passes run on packed rows; the HF rollout engine generates with the policy itself, so it keeps
+    # an attention that also takes padded batches (transformers' sdpa, which reads the packing from position ids).
+    args.rollout_engine = resolve_engine_kind(args.rollout_engine)
+    if device.type == "cuda" and args.rollout_engine != "hf":
+        for model in filter(None, [policy, reference]):
+            use_packed_attention(model, device)
+    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
 
@@ -338,7 +353,8 @@ def main():
             return {}
         with timer("sync"):
             metrics = engine.update_weights(policy)
-            if args.check_weight_sync:
+        if args.check_weight_sync:
+            with timer("check_sync"):
                 engine.check_weights(policy)
         synced_step = step
         return metrics
@@ -386,42 +402,53 @@ def main():
         informative = (rewards.std(dim=1) > 0).repeat_interleave(args.group_size)  # zero-variance groups: no signal
         for s, a, keep in zip(samples, advantages.flatten().tolist(), informative.tolist()):
             s["advantage"], s["loss_weight"] = a, float(keep)
-        batch = pad_samples(samples, tokenizer.pad_token_id)
+        rollout_sums = [rewards.sum().item(), (rewards > 0).sum().item(), rewards.numel(),
+                        sum(len(s["response_ids"]) for s in samples), sum(not s["finished"] for s in samples),
+                        informative.sum().item()]
+
+        # Every rank takes about the same token work: samples move between ranks (the loss is a global mean anyway).
+        samples, _ = share_samples_evenly(samples, sample_lengths(samples), world, rank)
 
         # 4. Log-probs of the sampled tokens under the current (old) policy and the reference.
         with timer("logprobs"):
-            batch["old_logprobs"] = compute_logprobs(policy, batch, args.micro_batch_size, args.temperature, device)
+            budget = args.max_tokens_per_micro_batch
+            for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
+                s["old_logprobs"] = lp
             if reference is not None:
-                batch["ref_logprobs"] = compute_logprobs(reference, batch, args.micro_batch_size, args.temperature, device)
+                for s, lp in zip(samples, compute_logprobs(reference, samples, budget, args.temperature, device)):
+                    s["ref_logprobs"] = lp
 
         # 5. Policy update.
         with timer("update"):
-            stats = update_policy(policy, optimizer, batch, args, world, device, generator)
+            stats = update_policy(policy, optimizer, samples, args, world, device, generator)
             if stats["opt_steps"]:  # the schedule counts updates (a batch of equal-reward groups makes none)
                 scheduler.step()
 
         # 6. Log: sums over ranks, then means.
-        mask = batch["response_mask"]
-        response_lengths = mask.sum(-1)
-        sums = all_reduce_sum([
-            rewards.sum().item(), (rewards > 0).sum().item(), rewards.numel(), response_lengths.sum().item(),
-            float(sum(not s["finished"] for s in samples)), (informative.sum().item()),
-            ((batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask).sum().item(), mask.sum().item(),
-            batch["attention_mask"].sum().item(), stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"],
-            stats["tokens"], stats["grad_norm"], stats["opt_steps"]], device)
-        (reward_sum, correct, count, length_sum, truncated, informative_count, lp_diff, response_tokens, total_tokens,
+        lengths = sample_lengths(samples)
+        metrics.update(batching_metrics(plan_equal_micro_batches(samples, budget, device), lengths, device))
+        sums = all_reduce_sum(rollout_sums + [
+            sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples), sum(lengths),
+            stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"], stats["tokens"], stats["grad_norm"],
+            stats["opt_steps"]], device)
+        (reward_sum, correct, count, response_tokens, truncated, informative_count, lp_diff, total_tokens,
          loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps) = sums
         opt_steps = max(opt_steps / world, 1)
+        update_seconds = timer.seconds["time/update"]
         metrics.update({
             "reward/mean": reward_sum / count, "reward/accuracy": correct / count,
             "reward/informative_frac": informative_count / count,
-            "response/length_mean": length_sum / count, "response/truncated_frac": truncated / count,
+            "response/length_mean": response_tokens / count, "response/truncated_frac": truncated / count,
             "rollout/logprob_diff": lp_diff / max(response_tokens, 1),
             "loss/policy": loss / world / opt_steps, "loss/kl": kl / max(trained_tokens, 1),
             "policy/clip_frac": clipfrac / max(trained_tokens, 1), "policy/entropy": entropy / max(trained_tokens, 1),
             "policy/grad_norm": grad_norm / world / opt_steps, "policy/lr": scheduler.get_last_lr()[0],
             "perf/tokens_per_s": total_tokens / (time.perf_counter() - step_start),
+            "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
+        train_mfu = mfu(num_params, total_tokens * args.epochs, update_seconds, peak)
+        if train_mfu is not None:
+            metrics["perf/mfu"] = train_mfu
         metrics.update(timer.pop())
         if args.eval_every and step % args.eval_every == 0 or step == args.steps:
             last_eval = run_eval(step)

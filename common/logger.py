@@ -33,7 +33,9 @@ class StageTimer:
 
 # The few metrics worth a column on the console; everything goes to W&B.
 CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "loss/kl": "kl", "policy/entropy": "ent",
-                "response/length_mean": "len", "perf/tokens_per_s": "tok/s", "eval/accuracy": "eval_acc"}
+                "response/length_mean": "len", "rollout/logprob_diff": "lp_diff", "sync/gb_per_s": "sync_GB/s",
+                "batch/padding_frac": "pad", "perf/tokens_per_s": "tok/s", "perf/mfu": "mfu",
+                "eval/accuracy": "eval_acc"}
 
 
 class Logger:

@@ -77,16 +77,22 @@ class HFRolloutEngine:
         pass
 
 
+def resolve_engine_kind(kind: str) -> str:
+    """"auto" -> "vllm" when CUDA and vllm are there, else "hf"."""
+    if kind != "auto":
+        return kind
+    try:
+        import vllm  # noqa: F401
+        return "vllm" if torch.cuda.is_available() else "hf"
+    except ImportError:
+        return "hf"
+
+
 def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
                         tp_size: int, gpu_memory: float, max_model_len: int, seed: int, enforce_eager: bool,
                         sync_bucket_mb: int):
-    """kind: "vllm", "hf" or "auto" (vLLM when CUDA and vllm are there, else HF)."""
-    if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-            kind = "vllm" if torch.cuda.is_available() else "hf"
-        except ImportError:
-            kind = "hf"
+    """kind: "vllm", "hf" or "auto" (see resolve_engine_kind)."""
+    kind = resolve_engine_kind(kind)
     if kind == "hf":
         return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
     if kind == "vllm":

@@ -32,16 +32,11 @@ from common.batching import (batching_metrics, mfu, pack_sequences, packed_token
                              plan_micro_batches, use_packed_attention)
 from common.distributed import init_distributed  # noqa: E402
 from common.model import shard_model, token_logprobs  # noqa: E402
+from scripts.random_model import SHAPES as QWEN_SHAPES  # noqa: E402
 
-# Qwen2.5 architectures (the same as scripts/bench_sync.py), and a tiny one for the CPU smoke test.
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
-}
+# Qwen2.5 architectures, and a tiny one for the CPU smoke test.
+SHAPES = {**QWEN_SHAPES, "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)}
 # Defaults that fit one 80 GB H100 without activation checkpointing: the packed token budget, and the padded
 # baseline's samples per micro-batch (its full float32 logits over 4k-token rows are what runs out first).
 MAX_TOKENS = {"0.5b": 16384, "1.5b": 8192, "tiny": 512}

@@ -1,4 +1,4 @@
-"""GRPO math against hand-computed values, and FSDP2 on 2 gloo ranks == 1 rank."""
+"""GRPO math against hand-computed values, and FSDP2 on 2 gloo ranks == 1 rank (with different packings)."""
 
 import math
 import os
@@ -67,17 +67,6 @@ def test_loss_aggregation_by_hand_and_split_invariant(mode, expected):
     assert parts.item() == pytest.approx(expected)
 
 
-def test_pad_samples_aligns_targets():
-    samples = [dict(prompt_ids=[5, 6], response_ids=[7, 8, 2], logprobs=[-0.1, -0.2, -0.3], advantage=1.0, loss_weight=1.0),
-               dict(prompt_ids=[5, 6, 9], response_ids=[3], logprobs=[-0.4], advantage=-1.0, loss_weight=0.0)]
-    batch = grpo.pad_samples(samples, pad_token_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 2], [5, 6, 9, 3, 0]]
-    # Position t predicts token t + 1: the first response token is predicted at the last prompt position.
-    assert batch["response_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
-    assert batch["rollout_logprobs"][0].tolist() == pytest.approx([0, -0.1, -0.2, -0.3])
-    assert batch["rollout_logprobs"][1].tolist() == pytest.approx([0, 0, -0.4, 0])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # FSDP2: one update on 2 gloo ranks (half the samples each) equals the same update on 1 rank.
 
@@ -104,13 +93,16 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = shard_model(tiny_model(), torch.device("cpu"))
-    args = grpo.Args(loss_agg=loss_agg, micro_batch_size=3, num_mini_batches=2, max_response_len=4)
-    # Rank r takes samples r, r + world, ...: with no shuffle, mini-batch k then holds the same global samples
-    # for 1 and 2 ranks, split into different micro-batches.
-    batch = grpo.pad_samples(fixed_batch()[rank::world], pad_token_id=0)
+    # Different token budgets per world size: the split into micro-batches must not change the gradient.
+    args = grpo.Args(loss_agg=loss_agg, max_tokens_per_micro_batch=12 if world == 2 else 40, num_mini_batches=2,
+                     max_response_len=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # not Adam: Adam hides a wrong gradient scale
-    batch["old_logprobs"] = grpo.compute_logprobs(model, batch, 2, args.temperature, torch.device("cpu")) - 0.05
-    stats = grpo.update_policy(model, optimizer, batch, args, world, torch.device("cpu"), generator=None)
+    # Rank r takes samples r, r + world, ...: with no shuffle, mini-batch k then holds the same global samples
+    # for 1 and 2 ranks.
+    samples = fixed_batch()[rank::world]
+    for s, lp in zip(samples, grpo.compute_logprobs(model, samples, 16, args.temperature, torch.device("cpu"))):
+        s["old_logprobs"] = lp - 0.05
+    stats = grpo.update_policy(model, optimizer, samples, args, world, torch.device("cpu"), generator=None)
     loss = torch.tensor([stats["loss"]], dtype=torch.float64)
     dist.all_reduce(loss)
     state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}

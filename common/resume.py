@@ -1,0 +1,301 @@
+"""Resumable training state, and the guards that let a long run survive preemption, hung rewards and NaNs.
+
+A training-state checkpoint holds everything needed to continue a run as if it never stopped: the sharded model
+and optimizer (torch.distributed.checkpoint, so a run can resume on a different number of ranks), the scheduler,
+step, data position, every rank's RNG, and small extras such as the W&B run id. The key idea is atomicity: all of
+it is written into `state_<step>.tmp/`, a `COMPLETE` marker goes in last, then the directory is renamed; a run
+killed mid-save leaves no directory that `latest_checkpoint` would pick. HF-format export is separate
+(sharding/checkpoint.py).
+
+    <output_dir>/state_000010/
+        .metadata, __<rank>_0.distcp   model + optimizer shards (DCP)
+        trainer_state.json             step, world size, scheduler, sampler, extra
+        rng_rank<r>.pt                 Python, NumPy, torch (CPU and CUDA) RNG of rank r
+        COMPLETE
+"""
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from common.distributed import raise_on_all_ranks
+
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_NAME = re.compile(r"state_(\d+)")  # full match only: state_000010.tmp / .old are never loaded
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _fsync_dir(path: str) -> None:
+    """Makes a rename or a new file inside `path` survive a machine crash, not just a killed process."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, write) -> None:
+    """write(file) then fsync, so the COMPLETE marker written after it never outlives the data it vouches for."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rng_state() -> dict:
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()  # plain ints: loads with weights_only=True
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (init_distributed sets it)
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _seed_rng(step: int, rank: int) -> None:
+    seed = (step * 1_000_003 + rank) % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def save_training_state(path_root: str, step: int, model, optimizer, scheduler, sampler, extra: dict) -> str:
+    """Collective: every rank calls it. Writes <path_root>/state_<step:06d> atomically and returns its path.
+
+    scheduler and sampler may be None; extra must be JSON-serialisable (e.g. {"wandb_run_id": ...}).
+    path_root must be a filesystem every rank sees (shared across nodes).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(path_root, f"state_{step:06d}")
+    tmp = final + ".tmp"
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            os.makedirs(tmp)
+        except OSError as e:
+            error = e
+    raise_on_all_ranks(error)  # also the barrier: the directory exists before anyone writes into it
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # raises on every rank
+    try:
+        _write_synced(os.path.join(tmp, f"rng_rank{rank}.pt"), lambda f: torch.save(_rng_state(), f))
+        if rank == 0:
+            trainer_state = {"step": step, "world_size": world,
+                             "scheduler": None if scheduler is None else scheduler.state_dict(),
+                             "sampler": None if sampler is None else sampler.state_dict(), "extra": extra}
+            _write_synced(os.path.join(tmp, TRAINER_STATE),
+                          lambda f: f.write(json.dumps(trainer_state, indent=1).encode()))
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = e
+    raise_on_all_ranks(error)  # every rank has written its part
+
+    if rank == 0:
+        try:
+            _write_synced(os.path.join(tmp, COMPLETE), lambda f: f.write(b"ok\n"))
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # saving the same step again: move the old one aside first, never half-delete
+                os.replace(final, final + ".old")
+            os.replace(tmp, final)
+            _fsync_dir(path_root)
+            shutil.rmtree(final + ".old", ignore_errors=True)
+        except OSError as e:
+            error = e
+    raise_on_all_ranks(error)  # no rank goes on (or exits) before the checkpoint is complete
+    return final
+
+
+def latest_checkpoint(path_root: str) -> str | None:
+    """The newest state_<step> directory under path_root holding its COMPLETE marker, or None."""
+    if not os.path.isdir(path_root):
+        return None
+    steps = [int(match.group(1)) for name in os.listdir(path_root)
+             if (match := CHECKPOINT_NAME.fullmatch(name)) and os.path.isfile(os.path.join(path_root, name, COMPLETE))]
+    return os.path.join(path_root, f"state_{max(steps):06d}") if steps else None
+
+
+def load_training_state(path: str, model, optimizer, scheduler, sampler) -> dict:
+    """Collective. Restores model, optimizer, scheduler, sampler and this rank's RNG from a save_training_state dir.
+
+    Returns {"step", "extra", "saved_world_size", "exact_rng"}. The model and optimizer reshard to any world size.
+    The RNG comes back exactly only at the saved world size; otherwise every rank is seeded from (step, rank)
+    and exact_rng is False. The sampler's position is over the global prompt stream, so it carries over to any
+    world size with the same --prompts-per-step.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error, trainer_state = None, None
+    try:
+        if not os.path.isfile(os.path.join(path, COMPLETE)):
+            raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            trainer_state = json.load(f)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = e
+    raise_on_all_ranks(error)
+
+    # get_state_dict gives the structure to load into (this run's shards, an initialised optimizer state);
+    # dcp.load fills it from whatever sharding the checkpoint was written with.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(trainer_state["scheduler"])
+    if sampler is not None:
+        sampler.load_state_dict(trainer_state["sampler"])
+
+    step, saved_world = trainer_state["step"], trainer_state["world_size"]
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    exact_rng = saved_world == world and os.path.isfile(rng_file)
+    if exact_rng:
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        _seed_rng(step, rank)
+    return {"step": step, "extra": trainer_state["extra"], "saved_world_size": saved_world, "exact_rng": exact_rng}
+
+
+def prune_checkpoints(path_root: str, keep: int) -> None:
+    """Deletes all but the newest `keep` complete checkpoints (keep <= 0 keeps all), and leftovers of killed saves.
+
+    Only rank 0 deletes; call it between saves (after save_training_state returned), never during one.
+    """
+    if _rank() != 0 or not os.path.isdir(path_root):
+        return
+    complete, leftovers = [], []
+    for name in os.listdir(path_root):
+        if (match := re.fullmatch(r"state_(\d+)(\.tmp|\.old)?", name)) is None:
+            continue
+        if match.group(2) is None and os.path.isfile(os.path.join(path_root, name, COMPLETE)):
+            complete.append(int(match.group(1)))
+        else:
+            leftovers.append(name)
+    old = sorted(complete)[:-keep] if keep > 0 else []
+    for step in old:
+        # Renamed before deleting: a deletion killed halfway must not leave a COMPLETE-marked directory with
+        # missing shards behind.
+        name = f"state_{step:06d}"
+        os.replace(os.path.join(path_root, name), os.path.join(path_root, name + ".old"))
+        leftovers.append(name + ".old")
+    for name in leftovers:
+        shutil.rmtree(os.path.join(path_root, name), ignore_errors=True)
+
+
+def resolve_resume(spec: str, output_dir: str) -> str | None:
+    """The checkpoint a --resume value names: "auto" -> the latest complete one in output_dir (None if there is
+    none), "none" or "" -> None, else a checkpoint directory that must exist and be complete."""
+    if spec == "auto":
+        return latest_checkpoint(output_dir)
+    if spec in ("none", ""):
+        return None
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"--resume {spec}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(spec, COMPLETE)):
+        inside = latest_checkpoint(spec)
+        hint = f"; did you mean {inside}?" if inside else ""
+        raise ValueError(f"--resume {spec}: not a complete checkpoint (no {COMPLETE} marker: its save was interrupted "
+                         f"or it is not a state_<step> directory){hint}")
+    return spec
+
+
+class PreemptionFlag:
+    """Remembers a SIGTERM (Slurm preemption, torchrun shutdown) or SIGUSR1 so the loop can save and exit cleanly.
+
+    The handler only sets a flag: saving needs collectives, which cannot run inside a signal handler at an
+    arbitrary point of the step. should_stop() is checked once per step, on every rank.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+        self.received: str | None = None  # name of the first signal received
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def should_stop(self, device: torch.device) -> bool:
+        """Collective: True on every rank if any rank got a signal, so all ranks stop after the same step."""
+        flag = torch.tensor([float(self.received is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def call_with_timeout(fn, args: tuple, timeout_s: float | None):
+    """(fn(*args), False), or (None, True) if it takes longer than timeout_s seconds (None: no limit).
+
+    fn runs in a daemon thread: a call that hangs is abandoned, not killed (Python cannot kill a thread), so it
+    keeps a core busy until it returns or the process exits. Exceptions from fn are raised here.
+    """
+    if timeout_s is None:
+        return fn(*args), False
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return None, True
+    if "error" in result:
+        raise result["error"]
+    return result["value"], False
+
+
+def is_bad_number(x) -> bool:
+    """True for NaN or +-inf (a Python number or a one-element tensor)."""
+    return not math.isfinite(float(x))
+
+
+class BadStepCounter:
+    """Counts consecutive bad (NaN/inf, skipped) steps and stops the run after max_bad_steps of them in a row.
+
+    One bad step is skipped and logged: a rare overflow should not end a week-long run. Many in a row mean the
+    weights or the optimizer state are already broken, and skipping more would only burn compute.
+    """
+
+    def __init__(self, max_bad_steps: int):
+        if max_bad_steps < 1:
+            raise ValueError(f"--max-bad-steps must be at least 1, got {max_bad_steps}")
+        self.max_bad_steps, self.in_a_row, self.total = max_bad_steps, 0, 0
+
+    def record(self, bad: bool, step: int) -> None:
+        """Call once per step with the same `bad` on every rank; raises RuntimeError at max_bad_steps in a row."""
+        if not bad:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.in_a_row >= self.max_bad_steps:
+            raise RuntimeError(
+                f"{self.in_a_row} steps in a row (up to step {step}) had a NaN/inf loss or gradient norm and were "
+                f"skipped (--max-bad-steps {self.max_bad_steps}); stopping. Resume from an earlier checkpoint with "
+                f"a lower --lr or a smaller --max-grad-norm")

@@ -1,0 +1,55 @@
+#!/bin/bash
+# Multi-node training on Slurm: srun starts one torchrun per node; the torchruns meet in a c10d rendezvous hosted
+# on the job's first node, then each starts one training process per GPU.
+#
+#   sbatch --nodes 4 scripts/slurm_grpo.sh --model Qwen/Qwen2.5-7B-Instruct --output-dir runs/qwen7b_gsm8k ...
+#
+# Submit from the repository root; the arguments go to grpo.py (TRAIN_SCRIPT=other.py sbatch ... runs another one).
+# Keep --output-dir fixed: a requeued job resumes from the latest complete checkpoint there (--resume auto).
+#
+# Stopping without losing work: Slurm sends SIGTERM on preemption; torchrun passes it to every training process,
+# which finishes its step, saves a checkpoint and exits (PET_SHUTDOWN_TIMEOUT below is how long torchrun waits
+# before it kills them). Near the time limit, Slurm sends USR1 to this script (--signal), which does the same
+# and then requeues the job. Checkpoints must be on a filesystem every node sees.
+#
+#SBATCH --job-name=grpo
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x_%j.out
+
+set -euo pipefail
+
+GPUS=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+HOSTS=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+MASTER_ADDR=${HOSTS[0]}
+MASTER_PORT=${MASTER_PORT:-29500}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# torchrun's own default is 30 s between passing on SIGTERM and SIGKILL: too short to finish a step and save.
+export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-600}
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES nodes x $GPUS GPUs," \
+     "rendezvous at $MASTER_ADDR:$MASTER_PORT"
+
+stop_and_requeue() {
+    echo "time limit near: the run saves a checkpoint and stops, then the job is requeued"
+    scancel --signal=TERM "$SLURM_JOB_ID"  # every task of the job step (not this script)
+    wait "$TRAIN_PID" || true
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+}
+trap stop_and_requeue USR1
+# Preemption signals this script too: wait for the run to save instead of exiting (which would end the job now).
+trap 'echo "SIGTERM: waiting for the run to save a checkpoint"; wait "$TRAIN_PID" || true; exit 143' TERM
+
+# srun options in --name=value form; --kill-on-bad-exit stops every node when one fails instead of a hang.
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$GPUS" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
+    "${TRAIN_SCRIPT:-grpo.py}" "$@" &
+TRAIN_PID=$!
+wait "$TRAIN_PID"  # in the background and waited for, so the traps above run as soon as a signal arrives

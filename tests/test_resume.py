@@ -1,0 +1,344 @@
+"""Training-state checkpoints: save -> load restores everything exactly (on the same and on a different number of
+gloo ranks), incomplete checkpoints are never picked, pruning, --resume resolution, the preemption flag, reward
+timeouts, the bad-step counter, and the Slurm launcher's rendezvous / preemption / requeue path on one machine."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from common.data import PromptSampler
+from common.model import shard_model
+from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, latest_checkpoint,
+                           load_training_state, prune_checkpoints, resolve_resume, save_training_state)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = torch.device("cpu")
+ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(10)]
+PROMPTS_PER_STEP = 4  # global: 4 per rank on 1 rank, 2 per rank on 2 ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model(seed: int):
+    torch.manual_seed(seed)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def setup(rank: int, world: int, port: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def teardown():
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
+
+
+def build(seed: int, rank: int, world: int):
+    model = shard_model(tiny_model(seed), CPU)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    sampler = PromptSampler(ROWS, PROMPTS_PER_STEP // world, rank, world, seed=3)
+    return model, optimizer, scheduler, sampler
+
+
+def train_step(model, optimizer, scheduler, rank: int, step: int):
+    ids = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(100 * step + rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def snapshot(model, optimizer, scheduler, sampler) -> dict:
+    """Full (gathered) weights and AdamW state, scheduler, the next global prompt batch, then fresh RNG draws."""
+    names = {p: n for n, p in model.named_parameters()}
+    weights = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    adam = {f"{names[p]}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for p, s in optimizer.state.items() for k, v in s.items()}
+    next_batch = [None] * dist.get_world_size()
+    dist.all_gather_object(next_batch, [row["prompt"] for row in sampler.next_batch()])
+    return {"weights": weights, "adam": adam, "scheduler": scheduler.state_dict(),
+            "lr": optimizer.param_groups[0]["lr"], "next_global_batch": sum(next_batch, []),
+            "draws": [random.random(), float(np.random.rand()), torch.rand(3).tolist()]}
+
+
+def save_worker(rank: int, world: int, port: int, root: str):
+    setup(rank, world, port)
+    model, optimizer, scheduler, sampler = build(seed=0, rank=rank, world=world)
+    for _ in range(3):
+        sampler.next_batch()
+    train_step(model, optimizer, scheduler, rank, step=1)
+    # A stale save of step 2 first: saving step 2 again must replace it.
+    save_training_state(root, 2, model, optimizer, scheduler, sampler, {"wandb_run_id": "stale"})
+    train_step(model, optimizer, scheduler, rank, step=2)
+    torch.manual_seed(1234 + rank)
+    path = save_training_state(root, 2, model, optimizer, scheduler, sampler, {"wandb_run_id": "abc123"})
+    torch.save(snapshot(model, optimizer, scheduler, sampler), os.path.join(root, f"saved_rank{rank}.pt"))
+    if rank == 0:
+        # What a killed save leaves behind: later steps, but not loadable.
+        os.makedirs(os.path.join(root, "state_000009.tmp"))
+        open(os.path.join(root, "state_000009.tmp", "COMPLETE"), "w").close()  # marked but never renamed
+        os.makedirs(os.path.join(root, "state_000010"))  # renamed by hand, no marker
+        assert path == os.path.join(root, "state_000002")
+    teardown()
+
+
+def load_worker(rank: int, world: int, port: int, root: str, out: str):
+    setup(rank, world, port)
+    model, optimizer, scheduler, sampler = build(seed=1, rank=rank, world=world)  # other weights, empty AdamW
+    path = resolve_resume("auto", root)
+    info = load_training_state(path, model, optimizer, scheduler, sampler)
+    torch.save({"path": path, "info": info, **snapshot(model, optimizer, scheduler, sampler)},
+               os.path.join(out, f"loaded_rank{rank}.pt"))
+    teardown()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{world size: checkpoint root} for a run saved on 1 and on 2 ranks."""
+    roots = {}
+    for world in (1, 2):
+        roots[world] = str(tmp_path_factory.mktemp(f"saved_on_{world}"))
+        mp.spawn(save_worker, args=(world, free_port(), roots[world]), nprocs=world, join=True)
+    return roots
+
+
+@pytest.mark.parametrize("saved_world, load_world", [(2, 2), (2, 1), (1, 2)])
+def test_resume_restores_training_state(saved, tmp_path, saved_world, load_world):
+    root = saved[saved_world]
+    mp.spawn(load_worker, args=(load_world, free_port(), root, str(tmp_path)), nprocs=load_world, join=True)
+    before = torch.load(os.path.join(root, "saved_rank0.pt"))
+    for rank in range(load_world):
+        after = torch.load(tmp_path / f"loaded_rank{rank}.pt")
+        assert after["path"] == os.path.join(root, "state_000002")  # not the unmarked state_000009.tmp / 000010
+        assert after["info"]["step"] == 2 and after["info"]["extra"] == {"wandb_run_id": "abc123"}
+        assert after["info"]["saved_world_size"] == saved_world
+        assert set(after["weights"]) == set(before["weights"]) and set(after["adam"]) == set(before["adam"])
+        for name, weight in before["weights"].items():
+            assert torch.equal(after["weights"][name], weight), name
+        assert any(k.endswith("exp_avg") for k in before["adam"])
+        for name, value in before["adam"].items():  # exp_avg, exp_avg_sq, step: all exact
+            assert torch.equal(after["adam"][name], value), name
+        assert after["scheduler"] == before["scheduler"] and after["lr"] == before["lr"]
+        assert after["next_global_batch"] == before["next_global_batch"]  # same prompts at any world size
+        if saved_world == load_world:
+            assert after["info"]["exact_rng"]
+            assert after["draws"] == torch.load(os.path.join(root, f"saved_rank{rank}.pt"))["draws"]
+        else:
+            assert not after["info"]["exact_rng"]  # seeded from (step, rank) instead
+
+
+def make_checkpoint(root, step: int, complete: bool = True, suffix: str = ""):
+    path = root / f"state_{step:06d}{suffix}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / "COMPLETE").write_text("ok\n")
+    return path
+
+
+def test_latest_checkpoint_skips_unfinished_saves(tmp_path):
+    assert latest_checkpoint(str(tmp_path / "missing")) is None
+    assert latest_checkpoint(str(tmp_path)) is None
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2)
+    make_checkpoint(tmp_path, 3, complete=False)  # killed before its marker
+    make_checkpoint(tmp_path, 4, suffix=".tmp")  # marked, killed before the rename
+    make_checkpoint(tmp_path, 5, suffix=".old")
+    (tmp_path / "hf_step_9").mkdir()
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "state_000002")
+    make_checkpoint(tmp_path, 10)  # numeric order, not only string order
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "state_000010")
+
+
+def test_prune_keeps_newest_complete_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        make_checkpoint(tmp_path, step)
+    make_checkpoint(tmp_path, 6, suffix=".tmp")
+    (tmp_path / "hf_step_5").mkdir()
+    prune_checkpoints(str(tmp_path), keep=0)  # keeps every complete one, removes what a killed save left
+    assert len(os.listdir(tmp_path)) == 6 and not (tmp_path / "state_000006.tmp").exists()
+    prune_checkpoints(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["hf_step_5", "state_000004", "state_000005"]
+    prune_checkpoints(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["hf_step_5", "state_000004", "state_000005"]
+
+
+def test_resolve_resume(tmp_path):
+    assert resolve_resume("auto", str(tmp_path / "new_run")) is None
+    assert resolve_resume("none", str(tmp_path)) is None and resolve_resume("", str(tmp_path)) is None
+    good = make_checkpoint(tmp_path, 7)
+    assert resolve_resume("auto", str(tmp_path)) == str(good)
+    assert resolve_resume(str(good), "elsewhere") == str(good)
+    with pytest.raises(FileNotFoundError, match="state_000099"):
+        resolve_resume(str(tmp_path / "state_000099"), str(tmp_path))
+    half = make_checkpoint(tmp_path, 8, complete=False)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resolve_resume(str(half), str(tmp_path))
+    with pytest.raises(ValueError, match="did you mean .*state_000007"):  # the run directory instead of a checkpoint
+        resolve_resume(str(tmp_path), "elsewhere")
+
+
+def preemption_worker(rank: int, world: int, port: int, out: str):
+    setup(rank, world, port)
+    flag = PreemptionFlag()
+    before = flag.should_stop(CPU)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # only one rank is signalled
+    dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"before": before, "after": flag.should_stop(CPU), "received": flag.received}, f)
+    teardown()
+
+
+def test_preemption_flag_stops_every_rank(tmp_path):
+    mp.spawn(preemption_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["before"] for r in results] == [False, False]
+    assert [r["after"] for r in results] == [True, True]  # the rank without the signal stops too
+    assert [r["received"] for r in results] == [None, "SIGTERM"]
+
+
+def test_call_with_timeout():
+    assert call_with_timeout(lambda a, b: a + b, (2, 3), timeout_s=5) == (5, False)
+    assert call_with_timeout(lambda a, b: a + b, (2, 3), timeout_s=None) == (5, False)
+    start = time.perf_counter()
+    assert call_with_timeout(time.sleep, (10,), timeout_s=0.2) == (None, True)
+    assert time.perf_counter() - start < 2
+    with pytest.raises(ZeroDivisionError):
+        call_with_timeout(lambda: 1 / 0, (), timeout_s=5)
+
+
+def test_bad_step_counter():
+    assert is_bad_number(float("nan")) and is_bad_number(torch.tensor(float("-inf"))) and not is_bad_number(3.0)
+    counter = BadStepCounter(max_bad_steps=3)
+    for step, bad in enumerate([True, True, False, True, True], start=1):  # a good step resets the run of bad ones
+        counter.record(bad, step)
+    assert counter.in_a_row == 2 and counter.total == 4
+    with pytest.raises(RuntimeError, match="3 steps in a row"):
+        counter.record(True, step=6)
+    with pytest.raises(ValueError):
+        BadStepCounter(0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Slurm launcher on one machine: stand-ins for srun / scontrol / scancel run one torchrun per "node" here,
+# so the real script, its rendezvous flags and its preemption path run as they would on a cluster.
+
+FAKE_SRUN = """#!/bin/bash
+while [[ $1 == --* ]]; do shift; done  # srun's own options
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
+    echo $! >> "$FAKE_SLURM_DIR/task_pids"
+done
+status=0
+for pid in $(jobs -p); do wait "$pid" || status=$?; done
+exit $status
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case $1 in
+    show) printf '127.0.0.1\\nnode-2\\n' ;;  # show hostnames: the first one hosts the rendezvous
+    requeue) echo "$2" >> "$FAKE_SLURM_DIR/requeued" ;;
+esac
+"""
+FAKE_SCANCEL = """#!/bin/bash
+for pid in $(cat "$FAKE_SLURM_DIR/task_pids"); do kill -s "${1#--signal=}" "$pid"; done
+"""
+TRAIN_STUB = """
+import os, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from common.resume import PreemptionFlag, load_training_state, resolve_resume, save_training_state
+
+output_dir, max_steps = sys.argv[1], int(sys.argv[2])
+flag = PreemptionFlag()
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = fully_shard(torch.nn.Linear(8, 8))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+path, step = resolve_resume("auto", output_dir), 0
+if path:
+    step = load_training_state(path, model, optimizer, None, None)["step"]
+print(f"rank {rank} of {world} on node {os.environ['SLURM_NODEID']} starts at step {step}", flush=True)
+while step < max_steps and not flag.should_stop(torch.device("cpu")):
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    step += 1
+    open(os.path.join(output_dir, f"running_rank{rank}"), "w").close()
+    time.sleep(0.05)
+save_training_state(output_dir, step, model, optimizer, None, None, {"signal": flag.received})
+print(f"rank {rank} saved step {step}, signal {flag.received}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "scancel": FAKE_SCANCEL,
+                       "torchrun": f"#!/bin/bash\nexec {sys.executable} -m torch.distributed.run \"$@\"\n"}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "train_stub.py").write_text(TRAIN_STUB)
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": ROOT, "FAKE_SLURM_DIR": str(tmp_path),
+           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[1-2]", "GPUS_PER_NODE": "1",
+           "MASTER_PORT": str(free_port()), "TRAIN_SCRIPT": str(tmp_path / "train_stub.py"), "OMP_NUM_THREADS": "1"}
+
+    def launch(*args) -> subprocess.Popen:
+        (tmp_path / "task_pids").unlink(missing_ok=True)
+        return subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "slurm_grpo.sh"), *args], cwd=tmp_path,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return launch, tmp_path
+
+
+def test_slurm_launcher_two_node_rendezvous(fake_slurm):
+    launch, tmp_path = fake_slurm
+    out, _ = launch(str(tmp_path / "out"), "3").communicate(timeout=120)
+    assert "rank 0 of 2 on node 0 starts at step 0" in out and "rank 1 of 2 on node 1 starts at step 0" in out, out
+    assert "rendezvous at 127.0.0.1:" in out
+    assert latest_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "state_000003")
+
+
+def test_slurm_launcher_time_limit_saves_requeues_and_resumes(fake_slurm):
+    launch, tmp_path = fake_slurm
+    job = launch(str(tmp_path / "out"), "100000")
+    deadline = time.time() + 90
+    while not all((tmp_path / "out" / f"running_rank{r}").exists() for r in range(2)):
+        assert job.poll() is None and time.time() < deadline, job.communicate()[0]
+        time.sleep(0.2)
+    job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@...` sends before the time limit
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, out
+    assert (tmp_path / "requeued").read_text().split() == ["4242"], out
+    checkpoint = latest_checkpoint(str(tmp_path / "out"))
+    assert checkpoint is not None and "signal SIGTERM" in out, out
+    saved_step = int(checkpoint.rsplit("_", 1)[1])
+    # The requeued job: same command, resumes where the first one stopped.
+    out, _ = launch(str(tmp_path / "out"), str(saved_step + 2)).communicate(timeout=120)
+    assert f"rank 0 of 2 on node 0 starts at step {saved_step}" in out, out
+    assert latest_checkpoint(str(tmp_path / "out")).endswith(f"state_{saved_step + 2:06d}")
