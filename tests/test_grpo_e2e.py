@@ -61,7 +61,8 @@ def test_custom_jsonl_dataset_and_reward(tmp_path):
         "def reward(prompt, completion, answer):\n    return float(completion.strip().startswith(answer))\n")
     result = torchrun(["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "4",
                        "--dataset", "data.jsonl", "--prompt-key", "question", "--answer-key", "solution",
-                       "--reward-fn", "reward.py:reward", "--output-dir", str(tmp_path / "run")], tmp_path)
+                       "--reward-fn", "reward.py:reward", "--activation-checkpointing",
+                       "--output-dir", str(tmp_path / "run")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
