@@ -260,6 +260,19 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     return sums
 
 
+def score_responses(reward_fn, tokenizer, rows: list[dict], response_ids: list[list[int]]) -> list[float]:
+    """Collective: decodes and scores each response against its row's prompt and answer. A reward function that
+    fails on any rank stops every rank with its message (instead of leaving the others in a collective)."""
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
+    error, rewards = None, []
+    try:
+        rewards = compute_rewards(reward_fn, [r["prompt"] for r in rows], texts, [r["answer"] for r in rows])
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = e
+    raise_on_all_ranks(error)
+    return rewards
+
+
 def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, world: int, device) -> dict[str, float]:
     """Greedy pass@1 and mean reward on the held-out prompts, split evenly over ranks."""
     per_rank = -(-len(eval_rows) // world)
@@ -268,13 +281,7 @@ def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, wor
     mine = mine + [eval_rows[0]] * (per_rank - len(mine))  # every rank generates the same number of prompts
     outputs = engine.generate([r["prompt_ids"] for r in mine], n=1, max_tokens=args.max_response_len,
                               temperature=1.0, top_p=1.0, seed=0, greedy=True)
-    texts = [tokenizer.decode(o[0].response_ids, skip_special_tokens=True) for o in outputs]
-    error, rewards = None, []
-    try:
-        rewards = compute_rewards(reward_fn, [r["prompt"] for r in mine], texts, [r["answer"] for r in mine])
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-        error = e
-    raise_on_all_ranks(error)
+    rewards = score_responses(reward_fn, tokenizer, mine, [o[0].response_ids for o in outputs])
     total, reward_sum, correct = all_reduce_sum(
         [sum(weights), sum(w * r for w, r in zip(weights, rewards)), sum(w * (r > 0) for w, r in zip(weights, rewards))],
         device)
@@ -388,13 +395,7 @@ def main():
                         finished=c.finished, prompt=p["prompt"], answer=p["answer"])
                    for p, group in zip(prompts, outputs) for c in group]
         with timer("reward"):
-            texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in samples]
-            error, rewards = None, []
-            try:
-                rewards = compute_rewards(reward_fn, [s["prompt"] for s in samples], texts, [s["answer"] for s in samples])
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                error = e
-            raise_on_all_ranks(error)
+            rewards = score_responses(reward_fn, tokenizer, samples, [s["response_ids"] for s in samples])
 
         # 3. Advantages, relative to each prompt's group.
         rewards = torch.tensor(rewards).view(len(prompts), args.group_size)

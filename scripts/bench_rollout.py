@@ -12,8 +12,6 @@ in-loop / standalone shows what sleeping, syncing and sharing the GPU with the t
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
-from bench_sync import SHAPES, build_policy, qwen2_config, save_config, slowest  # noqa: E402  (same folder)
+from bench_sync import SHAPES, build_policy, qwen2_config, report, save_config, slowest  # noqa: E402  (same folder)
 from common.distributed import all_reduce_sum, init_distributed  # noqa: E402
 from common.model import token_logprobs  # noqa: E402
 from common.vllm_rollout import VLLMRolloutEngine  # noqa: E402
@@ -108,11 +106,7 @@ def main():
                        "in_loop_over_standalone": statistics.median(in_loop) / statistics.median(standalone),
                        "sync_seconds_median": statistics.median(sync_seconds)})
     if rank == 0:
-        print(json.dumps(result, indent=2))
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,15 @@ def build_policy(config: Qwen2Config, device: torch.device, master_dtype: torch.
     return shard_model(model, device)
 
 
+def report(result: dict, out: str | None) -> None:
+    """Prints the result and writes it as JSON to `out` (if given)."""
+    print(json.dumps(result, indent=2))
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def slowest(values: list[float], device: torch.device) -> list[float]:
     """Element-wise maximum over ranks."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -100,11 +109,7 @@ def main():
         "torch": torch.__version__, "vllm": __import__("vllm").__version__,
     }
     if rank == 0:
-        print(json.dumps(result, indent=2))
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from common.data import PromptSampler
-from common.model import shard_model
 from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, latest_checkpoint,
                            load_training_state, prune_checkpoints, resolve_resume, save_training_state)
 
@@ -36,6 +33,7 @@ def free_port() -> int:
 
 
 def tiny_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # here: spawned ranks re-import this module, keep it light
     torch.manual_seed(seed)
     config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, tie_word_embeddings=True)
@@ -54,6 +52,8 @@ def teardown():
 
 
 def build(seed: int, rank: int, world: int):
+    from common.data import PromptSampler
+    from common.model import shard_model
     model = shard_model(tiny_model(seed), CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
@@ -82,8 +82,7 @@ def snapshot(model, optimizer, scheduler, sampler) -> dict:
             "draws": [random.random(), float(np.random.rand()), torch.rand(3).tolist()]}
 
 
-def save_worker(rank: int, world: int, port: int, root: str):
-    setup(rank, world, port)
+def save_run(rank: int, world: int, root: str):
     model, optimizer, scheduler, sampler = build(seed=0, rank=rank, world=world)
     for _ in range(3):
         sampler.next_batch()
@@ -100,36 +99,42 @@ def save_worker(rank: int, world: int, port: int, root: str):
         open(os.path.join(root, "state_000009.tmp", "COMPLETE"), "w").close()  # marked but never renamed
         os.makedirs(os.path.join(root, "state_000010"))  # renamed by hand, no marker
         assert path == os.path.join(root, "state_000002")
-    teardown()
 
 
-def load_worker(rank: int, world: int, port: int, root: str, out: str):
-    setup(rank, world, port)
+def load_run(rank: int, world: int, root: str, out: str):
     model, optimizer, scheduler, sampler = build(seed=1, rank=rank, world=world)  # other weights, empty AdamW
     path = resolve_resume("auto", root)
     info = load_training_state(path, model, optimizer, scheduler, sampler)
     torch.save({"path": path, "info": info, **snapshot(model, optimizer, scheduler, sampler)},
-               os.path.join(out, f"loaded_rank{rank}.pt"))
+               os.path.join(out, f"loaded_{os.path.basename(root)}_on_{world}_rank{rank}.pt"))
+
+
+def resume_worker(rank: int, world: int, port: int, save_root: str | None, load_roots: list[str], out: str):
+    setup(rank, world, port)
+    if save_root is not None:
+        save_run(rank, world, save_root)
+    for root in load_roots:
+        load_run(rank, world, root, out)
     teardown()
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{world size: checkpoint root} for a run saved on 1 and on 2 ranks."""
-    roots = {}
-    for world in (1, 2):
-        roots[world] = str(tmp_path_factory.mktemp(f"saved_on_{world}"))
-        mp.spawn(save_worker, args=(world, free_port(), roots[world]), nprocs=world, join=True)
-    return roots
+def resumed(tmp_path_factory) -> str:
+    """Runs saved on 2 and on 1 rank, each loaded on 2 and on 1 rank; three launches, as each costs seconds."""
+    out = str(tmp_path_factory.mktemp("resume"))
+    saved_on = {world: os.path.join(out, f"saved_on_{world}") for world in (1, 2)}
+    mp.spawn(resume_worker, args=(2, free_port(), saved_on[2], [], out), nprocs=2, join=True)
+    mp.spawn(resume_worker, args=(1, free_port(), saved_on[1], [saved_on[2]], out), nprocs=1, join=True)
+    mp.spawn(resume_worker, args=(2, free_port(), None, [saved_on[1], saved_on[2]], out), nprocs=2, join=True)
+    return out
 
 
 @pytest.mark.parametrize("saved_world, load_world", [(2, 2), (2, 1), (1, 2)])
-def test_resume_restores_training_state(saved, tmp_path, saved_world, load_world):
-    root = saved[saved_world]
-    mp.spawn(load_worker, args=(load_world, free_port(), root, str(tmp_path)), nprocs=load_world, join=True)
+def test_resume_restores_training_state(resumed, saved_world, load_world):
+    root = os.path.join(resumed, f"saved_on_{saved_world}")
     before = torch.load(os.path.join(root, "saved_rank0.pt"))
     for rank in range(load_world):
-        after = torch.load(tmp_path / f"loaded_rank{rank}.pt")
+        after = torch.load(os.path.join(resumed, f"loaded_saved_on_{saved_world}_on_{load_world}_rank{rank}.pt"))
         assert after["path"] == os.path.join(root, "state_000002")  # not the unmarked state_000009.tmp / 000010
         assert after["info"]["step"] == 2 and after["info"]["extra"] == {"wandb_run_id": "abc123"}
         assert after["info"]["saved_world_size"] == saved_world
@@ -316,14 +321,6 @@ def fake_slurm(tmp_path):
     return launch, tmp_path
 
 
-def test_slurm_launcher_two_node_rendezvous(fake_slurm):
-    launch, tmp_path = fake_slurm
-    out, _ = launch(str(tmp_path / "out"), "3").communicate(timeout=120)
-    assert "rank 0 of 2 on node 0 starts at step 0" in out and "rank 1 of 2 on node 1 starts at step 0" in out, out
-    assert "rendezvous at 127.0.0.1:" in out
-    assert latest_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "state_000003")
-
-
 def test_slurm_launcher_time_limit_saves_requeues_and_resumes(fake_slurm):
     launch, tmp_path = fake_slurm
     job = launch(str(tmp_path / "out"), "100000")
@@ -334,6 +331,8 @@ def test_slurm_launcher_time_limit_saves_requeues_and_resumes(fake_slurm):
     job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@...` sends before the time limit
     out, _ = job.communicate(timeout=120)
     assert job.returncode == 0, out
+    assert "rendezvous at 127.0.0.1:" in out
+    assert "rank 0 of 2 on node 0 starts at step 0" in out and "rank 1 of 2 on node 1 starts at step 0" in out, out
     assert (tmp_path / "requeued").read_text().split() == ["4242"], out
     checkpoint = latest_checkpoint(str(tmp_path / "out"))
     assert checkpoint is not None and "signal SIGTERM" in out, out
@@ -341,4 +340,5 @@ def test_slurm_launcher_time_limit_saves_requeues_and_resumes(fake_slurm):
     # The requeued job: same command, resumes where the first one stopped.
     out, _ = launch(str(tmp_path / "out"), str(saved_step + 2)).communicate(timeout=120)
     assert f"rank 0 of 2 on node 0 starts at step {saved_step}" in out, out
+    assert "rank 1 of 2 on node 1 starts at step" in out
     assert latest_checkpoint(str(tmp_path / "out")).endswith(f"state_{saved_step + 2:06d}")
