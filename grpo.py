@@ -23,10 +23,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import tyro
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
 from common.distributed import all_reduce_sum, init_distributed, quiet_libraries, raise_on_all_ranks
 from common.logger import Logger, StageTimer
+from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, load_training_state,
+                           prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.batching import (batching_metrics, equalize_micro_batches, max_over_ranks, mfu, pack_sequences,
                              packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
                              use_packed_attention)
@@ -88,7 +91,7 @@ class Args:
     steps: int = 200
     """number of GRPO steps (rollout + update)"""
     lr: float | None = None
-    """AdamW learning rate; unset: 1e-3 for the built-in tiny model (random init), else 1e-6"""
+    """AdamW learning rate; unset: 5e-4 for the built-in tiny model (random init), else 1e-6"""
     warmup_steps: int = 5
     """linear learning-rate warmup over this many updates"""
     weight_decay: float = 0.0
@@ -123,6 +126,18 @@ class Args:
     """greedy evaluation on the held-out prompts every this many steps (and before and after training)"""
     save_every: int = 0
     """write an HF-format checkpoint every this many steps; 0: only at the end"""
+    save_state_every: int = 50
+    """write a resumable training state (sharded model and optimizer, scheduler, data position, RNG) every this
+    many steps; 0: only at the end and on SIGTERM"""
+    keep_checkpoints: int = 2
+    """resumable training states kept in the output dir (the newest); 0 keeps all"""
+    resume: str = "auto"
+    """auto: continue from the latest complete training state in the output dir, if any; none: start afresh;
+    or the path of a state_<step> directory"""
+    reward_timeout: float | None = None
+    """seconds one reward call may take; a slower one scores 0 and is counted (reward/timeouts); unset: no limit"""
+    max_bad_steps: int = 5
+    """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
     output_dir: str | None = None
     """where checkpoints and W&B files go; unset: runs/<run-name>"""
     run_name: str | None = None
@@ -133,6 +148,21 @@ class Args:
     """log to Weights & Biases (respects WANDB_MODE, e.g. offline)"""
     wandb_project: str = "nanorl"
     """W&B project"""
+
+
+def check_args(args: Args, world: int) -> None:
+    """Flag combinations that cannot work, each with a one-line error (before any model is loaded)."""
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks")
+    if world % args.rollout_tp:
+        raise ValueError(f"--rollout-tp {args.rollout_tp} must divide the number of ranks ({world})")
+    if args.group_size < 2:
+        raise ValueError("--group-size must be at least 2: advantages are relative to the group")
+    if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
+        raise ValueError(f"--num-mini-batches {args.num_mini_batches} is more than the samples per rank")
+    if args.max_prompt_len + args.max_response_len > args.max_tokens_per_micro_batch:
+        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole sequence: "
+                         f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
@@ -219,7 +249,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     all ranks, so the gradient does not depend on how it is split. Samples are shuffled with `generator` each
     epoch (None keeps their order).
     """
-    sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps"], 0.0)
+    sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for _ in range(args.epochs):
         order = torch.randperm(len(samples), generator=generator) if generator is not None else torch.arange(len(samples))
         for mini_indices in order.chunk(args.num_mini_batches):
@@ -254,7 +284,12 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                     sums["entropy"] += (entropy * mask).sum().item()
                     sums["tokens"] += mask.sum().item()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            sums["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if is_bad_number(grad_norm):  # the global norm: a NaN/inf on any rank shows here on every rank
+                optimizer.zero_grad(set_to_none=True)  # skip: one NaN in Adam's moments would spoil every later step
+                sums["skipped"] += 1
+                continue
+            sums["grad_norm"] += grad_norm
             optimizer.step()
             sums["opt_steps"] += 1
     return sums
@@ -288,19 +323,12 @@ def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, wor
     return {"eval/accuracy": correct / total, "eval/reward": reward_sum / total}
 
 
+@record  # a failing rank's traceback goes into torchrun's summary
 def main():
     args = tyro.cli(Args)
     rank, world, device = init_distributed()
     quiet_libraries()
     tp = args.rollout_tp
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks")
-    if world % tp:
-        raise ValueError(f"--rollout-tp {tp} must divide the number of ranks ({world})")
-    if args.group_size < 2:
-        raise ValueError("--group-size must be at least 2: advantages are relative to the group")
-    if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
-        raise ValueError(f"--num-mini-batches {args.num_mini_batches} is more than the samples per rank")
     prompts_per_rank = args.prompts_per_step // world
     dataset_name = "builtin" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).split(".")[0]
     run_name = args.run_name or f"grpo_{dataset_name}_s{args.seed}"
@@ -309,11 +337,16 @@ def main():
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = args.max_response_len or (2 if builtin else 1024)
-    args.lr = args.lr or (1e-3 if args.model is None else 1e-6)
-    if args.max_prompt_len + args.max_response_len > args.max_tokens_per_micro_batch:
-        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole sequence: "
-                         f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
+    args.lr = args.lr or (5e-4 if args.model is None else 1e-6)
+    check_args(args, world)
     torch.manual_seed(args.seed)
+
+    # Resume from the latest complete training state in the output dir (--resume auto), if there is one.
+    resume_path = [resolve_resume(args.resume, output_dir) if rank == 0 else None]
+    dist.broadcast_object_list(resume_path, src=0)  # one answer on every node
+    resume_path = resume_path[0]
+    resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
+    start_step = resumed["step"]
 
     # Model, reference model, optimizer.
     tokenizer = load_tokenizer(args.model)
@@ -332,7 +365,8 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
 
     # Data and rewards.
-    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_name, asdict(args), output_dir)
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_name, asdict(args), output_dir,
+                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
                                             eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
@@ -341,6 +375,14 @@ def main():
                  f"longer than --max-prompt-len {args.max_prompt_len}")
     sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
     reward_fn = load_reward_fn(args.reward_fn)
+    reward_timeouts = [0]  # this step's reward calls that ran out of time
+    if args.reward_timeout is not None:
+        unbounded_reward_fn = reward_fn
+
+        def reward_fn(prompt, completion, answer):
+            value, timed_out = call_with_timeout(unbounded_reward_fn, (prompt, completion, answer), args.reward_timeout)
+            reward_timeouts[0] += timed_out
+            return 0.0 if timed_out else value
 
     # Rollout engine: sees only token ids; stops at EOS.
     stop_ids = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_stop_ids", [])))
@@ -373,13 +415,31 @@ def main():
         engine.sleep()
         return metrics
 
-    first_eval = run_eval(0)
-    logger.log(0, {**first_eval, **timer.pop()}, advance=False)
-    last_eval = first_eval
-    generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    def save_state(step: int) -> None:
+        with timer("save_state"):
+            save_training_state(output_dir, step, policy, optimizer, scheduler, sampler,
+                                {"wandb_run_id": logger.run_id, "first_eval": first_eval, "last_eval": last_eval,
+                                 "bad_steps_in_a_row": bad_steps.in_a_row})
+            prune_checkpoints(output_dir, args.keep_checkpoints)
 
-    for step in range(1, args.steps + 1):
+    # Installed after the engine, which may set handlers of its own: SIGTERM now means "save and stop".
+    preemption, bad_steps = PreemptionFlag(), BadStepCounter(args.max_bad_steps)
+    if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
+        info = load_training_state(resume_path, policy, optimizer, scheduler, sampler)
+        first_eval, last_eval = info["extra"]["first_eval"], info["extra"]["last_eval"]
+        bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
+        logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
+                     f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are exact, "
+                     f"random streams re-seeded)"))
+    else:
+        first_eval = last_eval = run_eval(0)
+        logger.log(0, {**first_eval, **timer.pop()}, advance=False)
+
+    for step in range(start_step + 1, args.steps + 1):
         step_start = time.perf_counter()
+        # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
+        generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
+        reward_timeouts[0] = 0
         metrics = sync_engine(step - 1)
 
         # 1. Rollout: group_size responses per prompt.
@@ -447,6 +507,9 @@ def main():
             "perf/tokens_per_s": total_tokens / (time.perf_counter() - step_start),
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
+        skipped, timeouts = all_reduce_sum([stats["skipped"], reward_timeouts[0]], device)
+        metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})
+        bad_steps.record(skipped > 0, step)  # raises on every rank after --max-bad-steps in a row
         train_mfu = mfu(num_params, total_tokens * args.epochs, update_seconds, peak)
         if train_mfu is not None:
             metrics["perf/mfu"] = train_mfu
@@ -459,12 +522,24 @@ def main():
             with timer("save"):
                 save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"))
             metrics.update(timer.pop())
+        stop = preemption.should_stop(device)  # SIGTERM on any rank: every rank saves and stops at this step
+        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
+            save_state(step)
+            metrics.update(timer.pop())
         logger.log(step, metrics)
+        if stop:
+            logger.print(f"{preemption.received or 'a signal on another rank'}: saved the training state at step "
+                         f"{step}; run the same command again to continue")
+            logger.close()
+            dist.barrier()
+            dist.destroy_process_group()
+            return
 
     logger.print(f"held-out greedy accuracy: {first_eval['eval/accuracy']:.3f} before training -> "
                  f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                  f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
     logger.close()
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 
 

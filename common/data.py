@@ -50,8 +50,12 @@ def _rows_from_table(table: datasets.Dataset, prompt_key: str, answer_key: str, 
         raise ValueError(f"{source}: missing column(s) {missing}; existing columns: {table.column_names}")
     if len(table) == 0:
         raise ValueError(f"{source}: dataset is empty (0 rows)")
+    try:  # Arrow keeps the raw bytes: text is decoded only here
+        prompts, answers = list(table[prompt_key]), list(table[answer_key])
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{source}: the file is not valid UTF-8 text ({error}); save it as UTF-8") from error
     rows = []
-    for index, (prompt, answer) in enumerate(zip(table[prompt_key], table[answer_key])):
+    for index, (prompt, answer) in enumerate(zip(prompts, answers)):
         if not isinstance(prompt, str):
             raise ValueError(
                 f"{source}: row {index} column {prompt_key!r}: prompt must be a string, got {type(prompt).__name__}"

@@ -1,9 +1,12 @@
 """Logging for every script: one console line per step, a tqdm bar, W&B with --track, and per-stage timers.
 
-Only rank 0 prints and talks to W&B; metrics arriving here are already reduced over ranks.
+Only rank 0 prints, writes <output_dir>/metrics.jsonl and talks to W&B; metrics arriving here are already reduced
+over ranks.
 W&B respects WANDB_MODE (e.g. `WANDB_MODE=offline` writes the run under <output_dir>/wandb with no network).
 """
 
+import json
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -41,7 +44,10 @@ CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "loss/kl": "k
 class Logger:
     def __init__(self, rank: int, total_steps: int, track: bool, project: str, run_name: str, config: dict,
                  output_dir: str, run_id: str | None = None, start_step: int = 0):
-        self.is_main, self.run = rank == 0, None
+        self.is_main, self.run, self.metrics_file = rank == 0, None, None
+        if self.is_main:  # every step's metrics as JSON lines, kept with the run (a resumed run appends)
+            os.makedirs(output_dir, exist_ok=True)
+            self.metrics_file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True) if self.is_main else None
         if track and self.is_main:
             import wandb
@@ -61,6 +67,8 @@ class Logger:
             return
         if self.run is not None:
             self.run.log(metrics, step=step)
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
         times = " ".join(f"{k[5:]}={v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
         shown = " ".join(f"{short}={metrics[k]:.3g}" for k, short in CONSOLE_KEYS.items() if k in metrics)
         tqdm.write(f"step {step:>5} | {shown} | {times}")
@@ -68,6 +76,8 @@ class Logger:
             self.bar.update(1)
 
     def close(self) -> None:
+        if self.metrics_file is not None:
+            self.metrics_file.close()
         if self.bar is not None:
             self.bar.close()
         if self.run is not None:

@@ -120,6 +120,7 @@ def save_training_state(path_root: str, step: int, model, optimizer, scheduler, 
             _write_synced(os.path.join(tmp, COMPLETE), lambda f: f.write(b"ok\n"))
             _fsync_dir(tmp)
             if os.path.exists(final):  # saving the same step again: move the old one aside first, never half-delete
+                shutil.rmtree(final + ".old", ignore_errors=True)
                 os.replace(final, final + ".old")
             os.replace(tmp, final)
             _fsync_dir(path_root)
@@ -139,6 +140,13 @@ def latest_checkpoint(path_root: str) -> str | None:
     return os.path.join(path_root, f"state_{max(steps):06d}") if steps else None
 
 
+def read_trainer_state(path: str) -> dict:
+    """{"step", "world_size", "scheduler", "sampler", "extra"} of a checkpoint, without loading the model: what a
+    script needs before building anything heavy (e.g. the W&B run id for the logger)."""
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
 def load_training_state(path: str, model, optimizer, scheduler, sampler) -> dict:
     """Collective. Restores model, optimizer, scheduler, sampler and this rank's RNG from a save_training_state dir.
 
@@ -152,8 +160,7 @@ def load_training_state(path: str, model, optimizer, scheduler, sampler) -> dict
     try:
         if not os.path.isfile(os.path.join(path, COMPLETE)):
             raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            trainer_state = json.load(f)
+        trainer_state = read_trainer_state(path)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below
         error = e
     raise_on_all_ranks(error)

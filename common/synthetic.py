@@ -32,7 +32,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model_config(tokenizer) -> Qwen2Config:
-    # About 135k parameters. head_dim 32 is a size every vLLM attention backend supports.
+    # About 136k parameters. head_dim 32 is a size every vLLM attention backend supports.
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -18,7 +18,7 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=64
 #SBATCH --time=24:00:00
-#SBATCH --signal=B:USR1@900
+#SBATCH --signal=B:USR1@600
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=%x_%j.out
@@ -30,8 +30,10 @@ HOSTS=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 MASTER_ADDR=${HOSTS[0]}
 MASTER_PORT=${MASTER_PORT:-29500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-# torchrun's own default is 30 s between passing on SIGTERM and SIGKILL: too short to finish a step and save.
-export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-600}
+# Seconds torchrun waits between passing on SIGTERM and SIGKILL (its default, 30, is too short to finish a step and
+# save). Also how long a crash on one rank can take to tear down the others: keep it near one step plus one save,
+# and below the --signal lead time above.
+export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-300}
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES nodes x $GPUS GPUs," \
      "rendezvous at $MASTER_ADDR:$MASTER_PORT"
 

@@ -246,3 +246,11 @@ def test_resume_continues_the_identical_stream():
 def test_fewer_rows_than_a_global_batch_is_an_error():
     with pytest.raises(ValueError, match="global batch"):
         PromptSampler(numbered_rows(5), prompts_per_rank=3, rank=0, world_size=2, seed=0)
+
+
+def test_non_utf8_file_is_one_short_error(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"question": "café", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.jsonl") as error:
+        load_rows(str(path), "train", "question", "answer")
+    assert "\n" not in str(error.value)

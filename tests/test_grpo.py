@@ -128,3 +128,41 @@ def test_two_ranks_match_one_rank(tmp_path, loss_agg):
     for name, weight in one["state"].items():
         assert not torch.allclose(weight, initial[name].detach()), f"{name} did not change"  # the update did something
         torch.testing.assert_close(two["state"][name], weight, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (dict(group_size=1), 1, "--group-size"),
+    (dict(prompts_per_step=3), 2, "divisible"),
+    (dict(rollout_tp=2, prompts_per_step=12), 3, "--rollout-tp"),
+    (dict(max_tokens_per_micro_batch=100, max_prompt_len=64, max_response_len=64), 1, "one whole sequence"),
+    (dict(num_mini_batches=1000), 1, "--num-mini-batches"),
+])
+def test_invalid_flag_combinations(flags, world, message):
+    args = grpo.Args(**{"max_response_len": 2, **flags})
+    with pytest.raises(ValueError, match=message):
+        grpo.check_args(args, world)
+    grpo.check_args(grpo.Args(max_response_len=2), 1)  # the defaults pass
+
+
+def nan_update(rank: int, port: int, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    model = shard_model(tiny_model(), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    samples = fixed_batch()
+    for s, lp in zip(samples, grpo.compute_logprobs(model, samples, 64, 1.0, torch.device("cpu"))):
+        s["old_logprobs"] = lp
+    samples[3]["advantage"] = float("nan")  # one poisoned sample poisons the whole gradient
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    stats = grpo.update_policy(model, optimizer, samples, grpo.Args(max_response_len=4), 1, torch.device("cpu"), None)
+    unchanged = all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    torch.save({"skipped": stats["skipped"], "unchanged": unchanged, "adam_state": len(optimizer.state)},
+               os.path.join(out_dir, "nan.pt"))
+    dist.destroy_process_group()
+
+
+def test_nan_gradient_skips_the_update(tmp_path):
+    mp.spawn(nan_update, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    result = torch.load(tmp_path / "nan.pt")
+    assert result == {"skipped": 1, "unchanged": True, "adam_state": 0}  # no step taken, Adam's moments untouched

@@ -5,6 +5,8 @@ import glob
 import json
 import os
 import re
+import signal
+import time
 import subprocess
 import sys
 
@@ -73,3 +75,89 @@ def test_default_run_learns_the_builtin_task(tmp_path):
     match = re.search(r"held-out greedy accuracy: ([\d.]+) before training -> ([\d.]+) after", result.stdout + result.stderr)
     before, after = float(match.group(1)), float(match.group(2))
     assert before < 0.2 and after >= 0.8, (before, after)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reliability: a run killed at any moment continues with nothing lost.
+
+# A reward that varies within every group (a hash of the completion), so that every step updates the weights.
+HASH_REWARD = "import zlib\ndef reward(prompt, completion, answer):\n    return zlib.crc32(completion.encode()) % 3 / 2\n"
+RESUMABLE = ["--steps", "12", "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "16", "--eval-every", "3",
+             "--save-state-every", "2", "--keep-checkpoints", "0", "--num-mini-batches", "2", "--epochs", "2",
+             "--reward-fn", "hash_reward.py:reward"]
+
+
+def launch(args: list[str], cwd) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "grpo.py"), *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 180):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    os.kill(pid, signal.SIGKILL)  # first, so that it restarts nothing
+    for child in children:
+        kill_tree(child)
+
+
+def metrics_by_step(run_dir) -> dict[int, dict]:
+    """The last logged metrics of each step (a resumed run logs again the steps after its checkpoint), without
+    timings, which no two runs share."""
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        by_step[entry["step"]] = {k: v for k, v in entry.items() if not k.startswith(("time/", "perf/"))}
+    return by_step
+
+
+def test_killed_run_resumes_exactly(tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    (tmp_path / "hash_reward.py").write_text(HASH_REWARD)
+    assert torchrun([*RESUMABLE, "--output-dir", str(whole)], tmp_path).returncode == 0
+
+    proc = launch([*RESUMABLE, "--output-dir", str(killed)], tmp_path)
+    wait_for(lambda: (killed / "state_000004" / "COMPLETE").exists(), proc)  # after its second checkpoint
+    kill_tree(proc.pid)
+    proc.wait()
+    assert not (killed / "hf_step_12").exists()  # it really died before the end
+
+    result = torchrun([*RESUMABLE, "--output-dir", str(killed)], tmp_path)  # --resume auto
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout + result.stderr
+    expected, got = metrics_by_step(whole), metrics_by_step(killed)
+    assert sorted(got) == list(range(13))
+    for step in expected:
+        assert got[step] == expected[step], f"step {step} differs"
+    final_whole = AutoModelForCausalLM.from_pretrained(whole / "hf_step_12").state_dict()
+    final_killed = AutoModelForCausalLM.from_pretrained(killed / "hf_step_12").state_dict()
+    assert all(torch.equal(final_whole[k], final_killed[k]) for k in final_whole)
+
+
+def test_sigterm_saves_a_loadable_state(tmp_path):
+    from common.resume import latest_checkpoint, read_trainer_state
+    out = tmp_path / "run"
+    proc = launch(["--steps", "500", "--save-state-every", "0", "--eval-every", "0", "--output-dir", str(out)], tmp_path)
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4,
+             proc)
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers, as Slurm's preemption does
+    output = proc.communicate(timeout=120)[0]
+    assert "saved the training state" in output
+    state = latest_checkpoint(str(out))
+    assert state is not None
+    step = read_trainer_state(state)["step"]
+    assert 3 <= step < 500
+    result = torchrun(["--steps", str(step + 2), "--eval-every", "0", "--output-dir", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {state} at step {step}" in result.stdout + result.stderr

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, latest_checkpoint,
-                           load_training_state, prune_checkpoints, resolve_resume, save_training_state)
+                           load_training_state, prune_checkpoints, read_trainer_state, resolve_resume,
+                           save_training_state)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
@@ -138,6 +139,7 @@ def test_resume_restores_training_state(resumed, saved_world, load_world):
         assert after["path"] == os.path.join(root, "state_000002")  # not the unmarked state_000009.tmp / 000010
         assert after["info"]["step"] == 2 and after["info"]["extra"] == {"wandb_run_id": "abc123"}
         assert after["info"]["saved_world_size"] == saved_world
+        assert read_trainer_state(after["path"])["extra"] == {"wandb_run_id": "abc123"}
         assert set(after["weights"]) == set(before["weights"]) and set(after["adam"]) == set(before["adam"])
         for name, weight in before["weights"].items():
             assert torch.equal(after["weights"][name], weight), name
