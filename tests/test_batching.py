@@ -4,11 +4,9 @@
 
 import os
 import random
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -18,12 +16,8 @@ from common.batching import (balance_across_ranks, batching_metrics, chunked_tok
                              pad_rows, plan_micro_batches, restore_order, share_samples_evenly)
 from common.distributed import all_reduce_sum
 from common.model import shard_model, token_logprobs
+from gloo import finish_gloo, free_port, init_gloo
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_model(attn: str = "sdpa", hidden_size: int = 32):
@@ -271,16 +265,13 @@ def fsdp_run() -> dict:
 
 
 def worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    init_gloo(rank, world, port)
     results = {"split": split_invariance_run(rank, world, torch.device("cpu"))}
     if world == 1:
         results["fsdp"] = fsdp_run()
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"world{world}.pt"))
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    dist.destroy_process_group()
+    finish_gloo()
 
 
 @pytest.fixture(scope="module")

@@ -5,21 +5,17 @@ Run: python -m pytest -m gpu tests/test_gpu.py
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from gloo import free_port
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

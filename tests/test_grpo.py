@@ -2,7 +2,6 @@
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import grpo
 from common.model import shard_model
+from gloo import finish_gloo, free_port, init_gloo
 
 
 def test_group_advantages_by_hand():
@@ -89,9 +89,7 @@ def fixed_batch(num_samples: int = 8):
 
 
 def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    init_gloo(rank, world, port)
     model = shard_model(tiny_model(), torch.device("cpu"))
     # Different token budgets per world size: the split into micro-batches must not change the gradient.
     args = grpo.Args(loss_agg=loss_agg, max_tokens_per_micro_batch=12 if world == 2 else 40, num_mini_batches=2,
@@ -108,14 +106,8 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
     state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"loss": loss.item() / world, "state": state}, os.path.join(out_dir, f"world{world}.pt"))
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    dist.destroy_process_group()
+    finish_gloo()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
@@ -145,9 +137,7 @@ def test_invalid_flag_combinations(flags, world, message):
 
 
 def nan_update(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.set_num_threads(1)
+    init_gloo(0, 1, port)
     model = shard_model(tiny_model(), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     samples = fixed_batch()
@@ -159,7 +149,7 @@ def nan_update(rank: int, port: int, out_dir: str):
     unchanged = all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
     torch.save({"skipped": stats["skipped"], "unchanged": unchanged, "adam_state": len(optimizer.state)},
                os.path.join(out_dir, "nan.pt"))
-    dist.destroy_process_group()
+    finish_gloo()
 
 
 def test_nan_gradient_skips_the_update(tmp_path):

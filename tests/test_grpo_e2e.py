@@ -88,7 +88,7 @@ RESUMABLE = ["--steps", "12", "--prompts-per-step", "8", "--group-size", "4", "-
 
 
 def launch(args: list[str], cwd) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "grpo.py"), *args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -148,7 +148,8 @@ def test_killed_run_resumes_exactly(tmp_path):
 def test_sigterm_saves_a_loadable_state(tmp_path):
     from common.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
-    proc = launch(["--steps", "500", "--save-state-every", "0", "--eval-every", "0", "--output-dir", str(out)], tmp_path)
+    proc = launch(["--steps", "500", "--save-state-every", "0", "--eval-every", "0", "--track", "--output-dir", str(out)],
+                  tmp_path)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4,
              proc)
     proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers, as Slurm's preemption does
@@ -158,6 +159,9 @@ def test_sigterm_saves_a_loadable_state(tmp_path):
     assert state is not None
     step = read_trainer_state(state)["step"]
     assert 3 <= step < 500
-    result = torchrun(["--steps", str(step + 2), "--eval-every", "0", "--output-dir", str(out)], tmp_path)
+    result = torchrun(["--steps", str(step + 2), "--eval-every", "0", "--track", "--output-dir", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {state} at step {step}" in result.stdout + result.stderr
+    # The resumed run continues the same W&B run: two offline run directories, one run id (the name's last part).
+    runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and runs[0].rsplit("-", 1)[1] == runs[1].rsplit("-", 1)[1]

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,13 @@ import torch.multiprocessing as mp
 from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, latest_checkpoint,
                            load_training_state, prune_checkpoints, read_trainer_state, resolve_resume,
                            save_training_state)
+from gloo import finish_gloo, free_port, init_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
 ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(10)]
 PROMPTS_PER_STEP = 4  # global: 4 per rank on 1 rank, 2 per rank on 2 ranks
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_model(seed: int):
@@ -39,17 +34,6 @@ def tiny_model(seed: int):
     config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, tie_word_embeddings=True)
     return Qwen2ForCausalLM(config)
-
-
-def setup(rank: int, world: int, port: int):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-
-
-def teardown():
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    dist.destroy_process_group()
 
 
 def build(seed: int, rank: int, world: int):
@@ -111,12 +95,12 @@ def load_run(rank: int, world: int, root: str, out: str):
 
 
 def resume_worker(rank: int, world: int, port: int, save_root: str | None, load_roots: list[str], out: str):
-    setup(rank, world, port)
+    init_gloo(rank, world, port)
     if save_root is not None:
         save_run(rank, world, save_root)
     for root in load_roots:
         load_run(rank, world, root, out)
-    teardown()
+    finish_gloo()
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +190,7 @@ def test_resolve_resume(tmp_path):
 
 
 def preemption_worker(rank: int, world: int, port: int, out: str):
-    setup(rank, world, port)
+    init_gloo(rank, world, port)
     flag = PreemptionFlag()
     before = flag.should_stop(CPU)
     if rank == 1:
@@ -214,7 +198,7 @@ def preemption_worker(rank: int, world: int, port: int, out: str):
     dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"before": before, "after": flag.should_stop(CPU), "received": flag.received}, f)
-    teardown()
+    finish_gloo()
 
 
 def test_preemption_flag_stops_every_rank(tmp_path):
