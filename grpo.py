@@ -33,7 +33,7 @@ from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is
 from common.batching import (batching_metrics, equalize_micro_batches, max_over_ranks, mfu, pack_sequences,
                              packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
                              use_packed_attention)
-from common.model import load_model, load_tokenizer, save_model_config, shard_model
+from common.model import checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model
 from common.rewards import compute_rewards, load_reward_fn
 from common.rollout import make_rollout_engine, resolve_engine_kind
 from sharding.checkpoint import save_hf_checkpoint
@@ -252,7 +252,9 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for _ in range(args.epochs):
         order = torch.randperm(len(samples), generator=generator) if generator is not None else torch.arange(len(samples))
-        for mini_indices in order.chunk(args.num_mini_batches):
+        # tensor_split: exactly num_mini_batches parts on every rank, even where ranks hold different sample counts
+        # (chunk would give some ranks fewer parts, and their collectives would pair up wrongly).
+        for mini_indices in torch.tensor_split(order, args.num_mini_batches):
             mini = [samples[i] for i in mini_indices.tolist()]
             num_tokens, num_seqs = all_reduce_sum([sum(len(s["response_ids"]) * s["loss_weight"] for s in mini),
                                                    sum(s["loss_weight"] > 0 for s in mini)], device)
@@ -291,6 +293,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                 continue
             sums["grad_norm"] += grad_norm
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # no gradients held through the rollout
             sums["opt_steps"] += 1
     return sums
 
@@ -425,6 +428,7 @@ def main():
     # Installed after the engine, which may set handlers of its own: SIGTERM now means "save and stop".
     preemption, bad_steps = PreemptionFlag(), BadStepCounter(args.max_bad_steps)
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
+        engine.sleep()  # the optimizer state that loading allocates needs the memory an awake vLLM holds
         info = load_training_state(resume_path, policy, optimizer, scheduler, sampler)
         first_eval, last_eval = info["extra"]["first_eval"], info["extra"]["last_eval"]
         bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
@@ -520,7 +524,8 @@ def main():
             metrics.update(timer.pop())
         if args.save_every and step % args.save_every == 0 or step == args.steps:
             with timer("save"):
-                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"))
+                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
+                                   checkpoint_dtype(args.model))
             metrics.update(timer.pop())
         stop = preemption.should_stop(device)  # SIGTERM on any rank: every rank saves and stops at this step
         if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
@@ -535,6 +540,9 @@ def main():
             dist.destroy_process_group()
             return
 
+    if start_step >= args.steps:
+        logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
+                     f"(--resume none starts afresh, --steps trains further)")
     logger.print(f"held-out greedy accuracy: {first_eval['eval/accuracy']:.3f} before training -> "
                  f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                  f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")

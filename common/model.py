@@ -29,6 +29,14 @@ def load_model(model: str | None, tokenizer, seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
 
 
+def checkpoint_dtype(model: str | None) -> torch.dtype:
+    """The dtype a checkpoint was published in (exports are written in it); fp32 for the built-in tiny model."""
+    dtype = None if model is None else AutoConfig.from_pretrained(model).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
+
+
 def save_model_config(model: str | None, tokenizer, path: str) -> str:
     """Writes config + tokenizer (no weights) where a rollout engine can read the architecture; returns the path."""
     os.makedirs(path, exist_ok=True)

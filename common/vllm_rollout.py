@@ -112,6 +112,7 @@ class VLLMRolloutEngine:
         num_bytes = sync_weights_to_vllm(model, self.vllm_model, self.sync_bucket_mb, self.dtype)
         sync_seconds = time.perf_counter() - synced
         if self.asleep:
+            torch.cuda.empty_cache()  # the sync's buffers: give them back before vLLM maps its KV cache again
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights

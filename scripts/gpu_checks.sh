@@ -15,7 +15,7 @@ def reward(prompt, completion, answer):
 PY
 python3 scripts/random_model.py --shape 0.5b --out /tmp/qwen0.5b || exit 1
 GRPO="grpo.py --model /tmp/qwen0.5b --reward-fn /tmp/hash_reward.py:reward --lr 1e-4 --steps 20 --eval-every 10
-  --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm"
+  --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none"
 
 run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
   local name=$1 limit=$2 gpus=$3; shift 3
