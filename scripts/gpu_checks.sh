@@ -20,12 +20,12 @@ GRPO="grpo.py --model /tmp/qwen0.5b --reward-fn /tmp/hash_reward.py:reward --lr 
 run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
   local name=$1 limit=$2 gpus=$3; shift 3
   CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$name rc=$?"; grep -E "step +(0|10|20) \||held-out|Error|error" "$out/$name.log" | tail -n 6 | cut -c1-400
+  echo "$name rc=$?"; grep -E "step +(0|10|20) \||held-out|Error|error|passed|failed" "$out/$name.log" | tail -n 6 | cut -c1-400
 }
 
 if [ "$mode" = one ]; then
   second=0; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && second=1
-  ( run gpu_tests 300 0 python3 -m pytest -m gpu tests/test_gpu.py -x -q -rs -p no:cacheprovider
+  ( run gpu_tests 300 0 python3 -m pytest -m gpu tests/test_gpu.py tests/test_batching.py -q -rs -p no:cacheprovider
     run grpo_1gpu 300 0 torchrun --standalone --nproc_per_node 1 $GRPO --rollout-eager --output-dir /tmp/g1 ) &
   ( run bench_rollout 420 $second torchrun --standalone --nproc_per_node 1 scripts/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
     for s in 0.5b 1.5b; do run sync_$s 150 $second torchrun --standalone --nproc_per_node 1 scripts/bench_sync.py --shape $s --tp 1 --out "$out/sync_${s}_1gpu_tp1.json"; done ) &
