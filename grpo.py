@@ -7,10 +7,12 @@ The policy is then updated with PPO's clipped surrogate, here with DAPO's separa
 loss aggregation (`--no-scale-rewards` with `--loss-agg seq-mean-token-sum-norm` gives Dr. GRPO,
 https://arxiv.org/abs/2503.20783). Groups whose rewards are all equal carry no signal and are left out.
 
-Each step: rollout -> reward -> advantages -> old/ref log-probs -> policy update -> weight sync -> log.
-Training runs under FSDP2; rollouts come from vLLM on GPUs or from the trained model itself (HF generate) on CPU.
+Each step: rollout -> reward -> advantages -> old/ref log-probs -> policy update -> weight sync -> log -> checkpoint.
+Training runs under FSDP2 on packed token-budget micro-batches; rollouts come from vLLM on GPUs or from the trained
+model itself (HF generate) on CPU. Left out on purpose: DAPO's dynamic sampling (refilling the batch with
+informative groups), overlong reward shaping, and any rollout/training overlap: one synchronous step at a time.
 
-    torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, a few minutes
+    torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
         --dataset-config main --prompt-key question --reward-fn gsm8k
 """
