@@ -27,15 +27,15 @@ import torch.distributed as dist
 import tyro
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from common.data import PromptSampler, load_train_eval, tokenize_prompts
-from common.distributed import all_reduce_sum, init_distributed, quiet_libraries, raise_on_all_ranks
-from common.logger import Logger, StageTimer
-from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, load_training_state,
-                           prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
-from common.batching import (batching_metrics, equalize_micro_batches, max_over_ranks, mfu, pack_sequences,
+from common.batching import (batching_metrics, equalize_micro_batches, mfu, pack_sequences,
                              packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
                              use_packed_attention)
+from common.data import PromptSampler, load_train_eval, tokenize_prompts
+from common.distributed import all_reduce_sum, init_distributed, max_over_ranks, quiet_libraries, raise_on_all_ranks
+from common.logger import Logger, StageTimer
 from common.model import checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model
+from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, load_training_state,
+                           prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.rewards import compute_rewards, load_reward_fn
 from common.rollout import make_rollout_engine, resolve_engine_kind
 from sharding.checkpoint import save_hf_checkpoint
@@ -497,9 +497,9 @@ def main():
         sums = all_reduce_sum(rollout_sums + [
             sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples), sum(lengths),
             stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"], stats["tokens"], stats["grad_norm"],
-            stats["opt_steps"]], device)
+            stats["opt_steps"], stats["skipped"], reward_timeouts[0]], device)
         (reward_sum, correct, count, response_tokens, truncated, informative_count, lp_diff, total_tokens,
-         loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps) = sums
+         loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps, skipped, timeouts) = sums
         opt_steps = max(opt_steps / world, 1)
         update_seconds = timer.seconds["time/update"]
         metrics.update({
@@ -513,7 +513,6 @@ def main():
             "perf/tokens_per_s": total_tokens / (time.perf_counter() - step_start),
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
-        skipped, timeouts = all_reduce_sum([stats["skipped"], reward_timeouts[0]], device)
         metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})
         bad_steps.record(skipped > 0, step)  # raises on every rank after --max-bad-steps in a row
         train_mfu = mfu(num_params, total_tokens * args.epochs, update_seconds, peak)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # Planning: which samples go together. Plain Python on lengths, identical on every rank.
 
@@ -129,13 +130,6 @@ def gather_in_original_order(results: list, global_indices: list[int], world_siz
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (global_indices, results))
     return restore_order([indices for indices, _ in everyone], [part for _, part in everyone])
-
-
-def max_over_ranks(value: int, device: torch.device) -> int:
-    """Collective: the largest `value` of all ranks (e.g. the micro-batch count every rank must run)."""
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 # ---------------------------------------------------------------------------------------------------------------

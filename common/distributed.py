@@ -53,3 +53,10 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """Collective: the largest `value` of all ranks (e.g. the micro-batch count every rank must run)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

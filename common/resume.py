@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from common.distributed import raise_on_all_ranks
+from common.distributed import max_over_ranks, raise_on_all_ranks
 
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -246,9 +246,7 @@ class PreemptionFlag:
 
     def should_stop(self, device: torch.device) -> bool:
         """Collective: True on every rank if any rank got a signal, so all ranks stop after the same step."""
-        flag = torch.tensor([float(self.received is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return max_over_ranks(int(self.received is not None), device) > 0
 
 
 def call_with_timeout(fn, args: tuple, timeout_s: float | None):

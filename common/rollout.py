@@ -7,6 +7,7 @@ weights in), `sleep` (free memory while training) and `check_weights` (verify th
 (CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_rollout.py) is the real GPU path.
 """
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -81,11 +82,7 @@ def resolve_engine_kind(kind: str) -> str:
     """"auto" -> "vllm" when CUDA and vllm are there, else "hf"."""
     if kind != "auto":
         return kind
-    try:
-        import vllm  # noqa: F401
-        return "vllm" if torch.cuda.is_available() else "hf"
-    except ImportError:
-        return "hf"
+    return "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,

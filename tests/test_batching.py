@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common.batching import (balance_across_ranks, batching_metrics, chunked_token_logprobs, equalize_micro_batches,
-                             gather_in_original_order, max_over_ranks, mfu, pack_sequences, packed_token_logprobs,
+                             gather_in_original_order, mfu, pack_sequences, packed_token_logprobs,
                              pad_rows, plan_micro_batches, restore_order, share_samples_evenly)
-from common.distributed import all_reduce_sum
+from common.distributed import all_reduce_sum, max_over_ranks
 from common.model import shard_model, token_logprobs
 from gloo import finish_gloo, free_port, init_gloo
 
