@@ -28,7 +28,9 @@ from common.vllm_rollout import VLLMRolloutEngine  # noqa: E402
 from scripts.random_model import SHAPES, qwen2_config  # noqa: E402
 
 def save_config(config: Qwen2Config, path: str, rank: int) -> str:
-    """config.json only: the engine starts with dummy weights and gets the real ones from the trainer."""
+    """config.json only: the engine starts with dummy weights and gets the real ones from the trainer.
+    The folder is per launch (torchrun's port), so benches may run side by side on one machine."""
+    path = f"{path}_{os.environ.get('MASTER_PORT', '0')}"
     if rank == 0:
         config.save_pretrained(path)
     dist.barrier()

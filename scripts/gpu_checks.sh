@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The GPU runs that prove the colocated vLLM path (see benchmarks/README.md for their results).
-#   bash scripts/gpu_checks.sh one OUTDIR   # 1-GPU checks; with 2 GPUs visible, two streams run side by side
-#   bash scripts/gpu_checks.sh two OUTDIR   # 2-GPU checks: TP=2, TP=1 x 2 replicas, weight-sync bench
+#   bash scripts/gpu_checks.sh one OUTDIR [GPU_A GPU_B]  # GPU tests, grpo 1 GPU on GPU_A; bench_rollout and
+#                                                        # 1-GPU weight-sync benches on GPU_B (both default 0)
+#   bash scripts/gpu_checks.sh two OUTDIR [GPUS]         # grpo TP=2 and TP=1 x 2 replicas, 2-GPU sync benches
+#   bash scripts/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py).
 set -u
 mode=$1; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # A reward with variance in every group (a hash of the completion), so every step updates the weights and
 # the sync check compares weights that really changed; lr 1e-4 moves bf16 weights by more than one ulp.
-cat > /tmp/hash_reward.py <<'PY'
+cat > /tmp/hash_reward_$mode.py <<'PY'
 import zlib
 def reward(prompt, completion, answer):
     return float(zlib.crc32(completion.encode()) % 2)
 PY
-python3 scripts/random_model.py --shape 0.5b --out /tmp/qwen0.5b || exit 1
-GRPO="grpo.py --model /tmp/qwen0.5b --reward-fn /tmp/hash_reward.py:reward --lr 1e-4 --steps 20 --eval-every 10
+model=/tmp/qwen0.5b_$mode  # one per mode: modes may run side by side on one machine
+python3 scripts/random_model.py --shape 0.5b --out $model || exit 1
+GRPO="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none"
 
 run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
@@ -23,15 +26,27 @@ run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
   echo "$name rc=$?"; grep -E "step +(0|10|20) \||held-out|Error|error|passed|failed" "$out/$name.log" | tail -n 6 | cut -c1-400
 }
 
+sync() {  # sync SHAPE TP GPUS: the weight-sync bench
+  local n; n=$(echo "$3" | tr , '\n' | wc -l)
+  run sync_$1_${n}gpu_tp$2 150 "$3" torchrun --standalone --nproc_per_node "$n" scripts/bench_sync.py --shape "$1" --tp "$2" \
+    --out "$out/sync_$1_${n}gpu_tp$2.json"
+}
+
 if [ "$mode" = one ]; then
-  second=0; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && second=1
-  ( run gpu_tests 300 0 python3 -m pytest -m gpu tests/test_gpu.py tests/test_batching.py -q -rs -p no:cacheprovider
-    run grpo_1gpu 300 0 torchrun --standalone --nproc_per_node 1 $GRPO --rollout-eager --output-dir /tmp/g1 ) &
-  ( run bench_rollout 420 $second torchrun --standalone --nproc_per_node 1 scripts/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
-    for s in 0.5b 1.5b; do run sync_$s 150 $second torchrun --standalone --nproc_per_node 1 scripts/bench_sync.py --shape $s --tp 1 --out "$out/sync_${s}_1gpu_tp1.json"; done ) &
+  a=${3:-0}; b=${4:-0}
+  ( run gpu_tests 240 $a python3 -m pytest -m gpu tests/test_gpu.py tests/test_batching.py -q -rs -s -p no:cacheprovider
+    run grpo_1gpu 240 $a torchrun --standalone --nproc_per_node 1 $GRPO --rollout-eager --output-dir /tmp/g1_$mode ) &
+  ( run bench_rollout 300 $b torchrun --standalone --nproc_per_node 1 scripts/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
+    for s in 0.5b 1.5b 7b; do sync $s 1 $b; done ) &
   wait
 elif [ "$mode" = two ]; then
-  run grpo_2gpu_tp2 240 0,1 torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g2
-  run grpo_2gpu_tp1 240 0,1 torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 1 --output-dir /tmp/g3
-  run sync_7b_2gpu 150 0,1 torchrun --standalone --nproc_per_node 2 scripts/bench_sync.py --shape 7b --tp 2 --out "$out/sync_7b_2gpu_tp2.json"
+  g=${3:-0,1}
+  run grpo_2gpu_tp2 200 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g2_$mode
+  run grpo_2gpu_tp1 200 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 1 --output-dir /tmp/g3_$mode
+  for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
+elif [ "$mode" = four ]; then
+  g=${3:-0,1,2,3}
+  run grpo_4gpu_tp2 200 $g torchrun --standalone --nproc_per_node 4 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g4_$mode
+  for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
+  sync 7b 4 $g
 fi
