@@ -49,4 +49,5 @@ elif [ "$mode" = four ]; then
   run grpo_4gpu_tp2 200 $g torchrun --standalone --nproc_per_node 4 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g4_$mode
   for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
   sync 7b 4 $g
+  run gpu_tests_batching 120 ${g%%,*} python3 -m pytest -m gpu tests/test_batching.py -q -rs -s -p no:cacheprovider
 fi

@@ -311,7 +311,7 @@ def test_packed_logprobs_under_fsdp2(spawned):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: the varlen attention kernel on packed rows == padded sdpa (bf16 tolerance).
+# GPU: the varlen attention kernel on packed rows == padded sdpa, up to bf16 rounding.
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -332,9 +332,14 @@ def test_packed_attention_on_gpu_matches_padded(attn):
         packed = pack_sequences(seqs)
         lp, _ = packed_token_logprobs(model, packed, temperature=0.7)
         alone, _ = packed_token_logprobs(model, pack_sequences(seqs[-1:]), temperature=0.7)
-    # bf16 against fp32 is a few hundredths per token; attending across a boundary would be far off.
+    # The same bf16 weights through the padded sdpa path: how far bf16 rounding alone takes this model from fp32.
+    bf16_padded = padded_reference(tiny_model(hidden_size=64).to(device, torch.bfloat16).eval(), seqs, device)
+    rounding = (torch.cat(bf16_padded) - torch.cat(expected)).abs().mean()
+    # Packed is no further from fp32 than padded bf16 is; attending across a boundary would be off by O(1).
     diff = (lp - torch.cat(expected)).abs()
-    assert diff.mean() < 0.03 and diff.max() < 0.25, f"mean {diff.mean():.4f}, max {diff.max():.4f}"
-    # The same kernel on the long sequence alone and packed after 12 others: the same numbers.
-    leak = (lp[-len(alone):] - alone).abs().max()
-    assert leak < 0.02, f"max {leak:.4f}"
+    # The same kernel on the long sequence alone and packed after 12 others: the same numbers, up to rounding.
+    leak = (lp[-len(alone):] - alone).abs()
+    print(f"{attn}: mean |packed - fp32| {diff.mean():.4f} (max {diff.max():.4f}), |padded bf16 - fp32| "
+          f"{rounding:.4f}, |packed - alone| {leak.mean():.4f} (max {leak.max():.4f})")
+    assert diff.mean() < 2 * rounding + 0.01, f"mean {diff.mean():.4f} against bf16 rounding {rounding:.4f}"
+    assert leak.mean() < rounding + 0.01, f"mean {leak.mean():.4f} against bf16 rounding {rounding:.4f}"
