@@ -31,8 +31,7 @@ from common.batching import (batching_metrics, equalize_micro_batches, mfu, pack
                              packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
                              use_packed_attention)
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
-from common.distributed import (all_reduce_sum, finish_distributed, init_distributed, max_over_ranks, quiet_libraries,
-                                raise_on_all_ranks)
+from common.distributed import all_reduce_sum, init_distributed, max_over_ranks, quiet_libraries, raise_on_all_ranks
 from common.logger import Logger, StageTimer
 from common.model import checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model
 from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, load_training_state,
@@ -538,7 +537,8 @@ def main():
             logger.print(f"{preemption.received or 'a signal on another rank'}: saved the training state at step "
                          f"{step}; run the same command again to continue")
             logger.close()
-            finish_distributed(exit_process=args.rollout_engine == "vllm")
+            dist.barrier()
+            dist.destroy_process_group()
             return
 
     if start_step >= args.steps:
@@ -548,7 +548,8 @@ def main():
                  f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                  f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
     logger.close()
-    finish_distributed(exit_process=args.rollout_engine == "vllm")
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

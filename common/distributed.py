@@ -6,7 +6,6 @@ and raised everywhere with the failing rank's message.
 """
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -26,21 +25,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def finish_distributed(exit_process: bool = False) -> None:
-    """Collective, at the end of a run (everything saved and logged): every rank leaves together.
-
-    exit_process: end the process here instead of tearing the process groups down. A vLLM engine with tensor
-    parallelism holds communicators of its own that hang in teardown (seen on 2 H200s with TP=2), and nothing is
-    left to do, so its runs exit as soon as every rank has passed the barrier.
-    """
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    if exit_process:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    dist.destroy_process_group()
 
 
 def quiet_libraries() -> None:
