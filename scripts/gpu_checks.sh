@@ -41,12 +41,12 @@ if [ "$mode" = one ]; then
   wait
 elif [ "$mode" = two ]; then
   g=${3:-0,1}
-  run grpo_2gpu_tp2 200 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g2_$mode
-  run grpo_2gpu_tp1 200 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 1 --output-dir /tmp/g3_$mode
+  run grpo_2gpu_tp2 300 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g2_$mode
+  run grpo_2gpu_tp1 300 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 1 --output-dir /tmp/g3_$mode
   for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
 elif [ "$mode" = four ]; then
   g=${3:-0,1,2,3}
-  run grpo_4gpu_tp2 200 $g torchrun --standalone --nproc_per_node 4 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g4_$mode
+  run grpo_4gpu_tp2 300 $g torchrun --standalone --nproc_per_node 4 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g4_$mode
   for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
   sync 7b 4 $g
   run gpu_tests_batching 120 ${g%%,*} python3 -m pytest -m gpu tests/test_batching.py -q -rs -s -p no:cacheprovider
