@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import tyro
 from torch.distributed.elastic.multiprocessing.errors import record
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.batching import (batching_metrics, equalize_micro_batches, mfu, pack_sequences,
                              packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
@@ -38,7 +39,11 @@ from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.rewards import compute_rewards, load_reward_fn
 from common.rollout import make_rollout_engine, resolve_engine_kind
+from common.split import (behaviour_version, eval_versions, init_split, load_into_module, recv_header, recv_object,
+                          recv_weights, send_header, send_object, send_weights, staleness_metrics, tis_metrics,
+                          wait_sent, weight_versions)
 from sharding.checkpoint import save_hf_checkpoint
+from sharding.vllm_sync import trainer_weights, weight_shapes
 
 
 @dataclass
@@ -75,7 +80,15 @@ class Args:
     sync_bucket_mb: int = 512
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False
-    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch"""
+    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated)"""
+    rollout_ranks: int = 0
+    """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
+    trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
+    async_rollout: bool = False
+    """with --rollout-ranks: generate the next batch while the trainers train on this one (off-policy by up to
+    --max-staleness updates, corrected with --tis-cap)"""
+    max_staleness: int = 1
+    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
     prompts_per_step: int = 16
     """prompts per step over all ranks"""
     group_size: int = 16
@@ -119,7 +132,8 @@ class Args:
     """token budget of one forward/backward pass: sequences are packed end to end (no padding) up to this many"""
     tis_cap: float | None = None
     """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
-    rollout engine's numerical mismatch; unset: off"""
+    rollout engine's numerical mismatch and, with --async-rollout, its older weights; unset: off, or 2 with
+    --async-rollout"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
 
@@ -153,11 +167,20 @@ class Args:
 
 
 def check_args(args: Args, world: int) -> None:
-    """Flag combinations that cannot work, each with a one-line error (before any model is loaded)."""
+    """Flag combinations that cannot work, each with a one-line error (before any model is loaded).
+    world: the ranks that train (all of them, or those left by --rollout-ranks)."""
     if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks")
-    if world % args.rollout_tp:
-        raise ValueError(f"--rollout-tp {args.rollout_tp} must divide the number of ranks ({world})")
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} training ranks")
+    generating = args.rollout_ranks or world
+    if generating % args.rollout_tp:
+        raise ValueError(f"--rollout-tp {args.rollout_tp} must divide the number of generating ranks ({generating})")
+    if args.rollout_ranks and args.prompts_per_step % args.rollout_ranks:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --rollout-ranks "
+                         f"{args.rollout_ranks}")
+    if args.async_rollout and not args.rollout_ranks:
+        raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
+    if args.max_staleness < 1:
+        raise ValueError("--max-staleness must be at least 1")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
@@ -313,6 +336,21 @@ def score_responses(reward_fn, tokenizer, rows: list[dict], response_ids: list[l
     return rewards
 
 
+def build_samples(prompts: list[dict], outputs, reward_fn, tokenizer, args: Args, version: int) -> list[dict]:
+    """Collective (rewards): one dict per response with its reward, its advantage relative to its prompt's group,
+    a loss weight (0 for groups whose rewards are all equal: no signal) and the weight version that generated it."""
+    samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs,
+                    finished=c.finished, version=version) for p, group in zip(prompts, outputs) for c in group]
+    rows = [p for p in prompts for _ in range(args.group_size)]
+    rewards = score_responses(reward_fn, tokenizer, rows, [s["response_ids"] for s in samples])
+    rewards = torch.tensor(rewards, dtype=torch.float32).view(len(prompts), args.group_size)
+    advantages = group_advantages(rewards, args.scale_rewards)
+    informative = (rewards.std(dim=1) > 0).repeat_interleave(args.group_size)
+    for s, r, a, keep in zip(samples, rewards.flatten().tolist(), advantages.flatten().tolist(), informative.tolist()):
+        s["reward"], s["advantage"], s["loss_weight"] = r, a, float(keep)
+    return samples
+
+
 def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, world: int, device) -> dict[str, float]:
     """Greedy pass@1 and mean reward on the held-out prompts, split evenly over ranks."""
     per_rank = -(-len(eval_rows) // world)
@@ -328,10 +366,95 @@ def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, wor
     return {"eval/accuracy": correct / total, "eval/reward": reward_sum / total}
 
 
+def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_rows, reward_fn, reward_timeouts,
+                   stop_ids, output_dir: str, start_step: int) -> None:
+    """Split placement (--rollout-ranks), on a rollout rank: receive weights, generate, score, send; repeat.
+
+    The trainers send the versions of `weight_versions`, and this side receives each one just before the first
+    batch that needs it (so with --async-rollout it generates with weights up to --max-staleness updates old),
+    evaluates the versions due for evaluation, and sends each batch to trainer 0 without waiting for it to arrive.
+    """
+    staleness = args.max_staleness if args.async_rollout else 0
+    model_dir = save_model_config(args.model, tokenizer, os.path.join(output_dir, f"model_config_rollout{placement.rank}"))
+    if args.rollout_engine == "vllm":
+        engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
+                                     args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
+                                     args.rollout_eager, args.sync_bucket_mb)
+        with torch.device("meta"):  # names and shapes only
+            shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
+        dtype, load, loaded = torch.bfloat16, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
+    else:
+        model = load_model(args.model, tokenizer, args.seed).to(device)  # overwritten by the first version received
+        engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
+                                     0.0, 0, args.seed, False, 0)
+        shapes, dtype, load, loaded = weight_shapes(model), torch.float32, load_into_module(model), lambda: None
+    sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank, placement.world,
+                            args.seed)
+    for _ in range(start_step):  # the trainers' data position: batches are a function of the step
+        sampler.next_batch()
+    versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
+    to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
+    held, evals, seconds, pending = None, {}, {}, None
+
+    def receive_through(version: int) -> bool:
+        """Receives every scheduled version up to `version`; False when the trainers said stop."""
+        nonlocal held
+        while versions and versions[0] <= version:
+            received, stop = recv_header(placement, device)
+            if stop:
+                return False
+            assert received == versions.pop(0), f"weight version {received} arrived out of schedule"
+            start = time.perf_counter()
+            recv_weights(placement, shapes, dtype, args.sync_bucket_mb, device, load)
+            loaded()  # vLLM: cached prompt KV was computed with the old weights
+            seconds["sync"] = seconds.get("sync", 0.0) + time.perf_counter() - start
+            held = received
+            if held in to_evaluate:
+                start = time.perf_counter()
+                evals[held] = evaluate(engine, eval_rows, reward_fn, tokenizer, args, placement.rank,
+                                       placement.world, device)
+                seconds["eval"] = seconds.get("eval", 0.0) + time.perf_counter() - start
+        return True
+
+    def send(message: dict) -> None:
+        nonlocal pending
+        if pending is not None:
+            wait_sent(pending)  # the previous batch has reached trainer 0
+        message.update(evals=dict(evals), seconds=dict(seconds))
+        evals.clear(), seconds.clear()
+        pending = send_object(placement.samples_link, message, 0)
+
+    for step in range(start_step + 1, args.steps + 1):
+        if not receive_through(behaviour_version(step, start_step, staleness)):
+            return
+        prompts = sampler.next_batch()
+        start = time.perf_counter()
+        outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
+                                  max_tokens=args.max_response_len, temperature=args.temperature, top_p=args.top_p,
+                                  seed=args.seed * 1_000_003 + step)
+        seconds["generate"] = time.perf_counter() - start
+        reward_timeouts[0] = 0
+        start = time.perf_counter()
+        samples = build_samples(prompts, outputs, reward_fn, tokenizer, args, version=held)
+        seconds["reward"] = time.perf_counter() - start
+        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts[0]})
+    if receive_through(args.steps):  # the last versions (evaluation only)
+        send({"step": None, "samples": [], "reward_timeouts": 0})
+        wait_sent(pending)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 @record  # a failing rank's traceback goes into torchrun's summary
 def main():
     args = tyro.cli(Args)
-    rank, world, device = init_distributed()
+    placement = None  # colocated: every rank trains and generates
+    if args.rollout_ranks:  # split: each role gets a world of its own (see common/split.py)
+        placement, device = init_split(args.rollout_ranks)
+        rank, world = placement.rank, placement.world
+    else:
+        rank, world, device = init_distributed()
+    training = placement is None or placement.role == "train"
     quiet_libraries()
     tp = args.rollout_tp
     prompts_per_rank = args.prompts_per_step // world
@@ -343,7 +466,10 @@ def main():
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = args.max_response_len or (2 if builtin else 1024)
     args.lr = args.lr or (5e-4 if args.model is None else 1e-6)
-    check_args(args, world)
+    if args.async_rollout and args.tis_cap is None:
+        args.tis_cap = 2.0
+    args.rollout_engine = resolve_engine_kind(args.rollout_engine)
+    check_args(args, placement.num_trainers if placement else world)
     torch.manual_seed(args.seed)
 
     # Resume from the latest complete training state in the output dir (--resume auto), if there is one.
@@ -353,32 +479,12 @@ def main():
     resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
     start_step = resumed["step"]
 
-    # Model, reference model, optimizer.
+    # Data and rewards (both roles: in split placement the rollout ranks sample prompts and score responses).
     tokenizer = load_tokenizer(args.model)
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
-    reference = None
-    if args.kl_coef > 0:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
-    # Training passes run on packed rows; the HF rollout engine generates with the policy itself, so it keeps
-    # an attention that also takes padded batches (transformers' sdpa, which reads the packing from position ids).
-    args.rollout_engine = resolve_engine_kind(args.rollout_engine)
-    if device.type == "cuda" and args.rollout_engine != "hf":
-        for model in filter(None, [policy, reference]):
-            use_packed_attention(model, device)
-    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-
-    # Data and rewards.
-    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_name, asdict(args), output_dir,
-                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
                                             eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
     eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, args.max_prompt_len, args.chat_template)
-    logger.print(f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} "
-                 f"longer than --max-prompt-len {args.max_prompt_len}")
-    sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
     reward_fn = load_reward_fn(args.reward_fn)
     reward_timeouts = [0]  # this step's reward calls that ran out of time
     if args.reward_timeout is not None:
@@ -388,16 +494,45 @@ def main():
             value, timed_out = call_with_timeout(unbounded_reward_fn, (prompt, completion, answer), args.reward_timeout)
             reward_timeouts[0] += timed_out
             return 0.0 if timed_out else value
-
-    # Rollout engine: sees only token ids; stops at EOS.
+    # Rollout engines see only token ids and stop at EOS.
     stop_ids = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_stop_ids", [])))
-    model_dir = os.path.join(output_dir, "model_config")  # architecture only: vLLM starts with dummy weights
-    if rank == 0:
-        save_model_config(args.model, tokenizer, model_dir)
-    dist.barrier()
-    engine = make_rollout_engine(args.rollout_engine, policy, model_dir, tokenizer, stop_ids, rank, tp,
-                                 args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
-                                 args.rollout_eager, args.sync_bucket_mb)
+    if not training:
+        return rollout_worker(args, placement, device, tokenizer, train_rows, eval_rows, reward_fn, reward_timeouts,
+                              stop_ids, output_dir, start_step)
+
+    # Model, reference model, optimizer.
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    reference = None
+    if args.kl_coef > 0:
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+    # Training passes run on packed rows; the colocated HF rollout engine generates with the policy itself, so it
+    # keeps an attention that also takes padded batches (transformers' sdpa, which reads packing from position ids).
+    if device.type == "cuda" and (args.rollout_engine != "hf" or placement):
+        for model in filter(None, [policy, reference]):
+            use_packed_attention(model, device)
+    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_name, asdict(args), output_dir,
+                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
+    logger.print(f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} "
+                 f"longer than --max-prompt-len {args.max_prompt_len}")
+    if placement:
+        logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout ranks"
+                     + (f", async (max staleness {args.max_staleness}, TIS cap {args.tis_cap})"
+                        if args.async_rollout else ", synchronous"))
+        sampler = None  # the rollout ranks sample prompts; batches are a function of the step
+        engine = None
+    else:
+        sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
+        model_dir = os.path.join(output_dir, "model_config")  # architecture only: vLLM starts with dummy weights
+        if rank == 0:
+            save_model_config(args.model, tokenizer, model_dir)
+        dist.barrier()
+        engine = make_rollout_engine(args.rollout_engine, policy, model_dir, tokenizer, stop_ids, rank, tp,
+                                     args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
+                                     args.rollout_eager, args.sync_bucket_mb)
     timer = StageTimer(device)
     synced_step = -1  # the policy version the engine holds
 
@@ -420,6 +555,31 @@ def main():
         engine.sleep()
         return metrics
 
+    # Split placement: batches arrive from the rollout ranks; new weights go to them (common/split.py).
+    staleness = args.max_staleness if args.async_rollout else 0
+    versions_to_send = set(weight_versions(start_step, args.steps, staleness, args.eval_every)) if placement else set()
+    link_dtype = torch.bfloat16 if args.rollout_engine == "vllm" else torch.float32
+    shapes = weight_shapes(policy) if placement else None
+
+    def push_weights(version: int) -> dict[str, float]:
+        send_header(placement, version, False, device)
+        with timer("sync"):
+            num_bytes = send_weights(placement, trainer_weights(policy, None, link_dtype), shapes, link_dtype,
+                                     args.sync_bucket_mb, device)
+        return {"sync/gb": num_bytes / 1e9} if placement.on_link else {}
+
+    def receive_batch() -> dict:
+        """Trainer 0 takes one message from every rollout rank; every trainer keeps its slice of the samples."""
+        box = [[recv_object(placement.samples_link, 1 + r) for r in range(placement.num_rollout)]
+               if placement.on_link else None]
+        dist.broadcast_object_list(box, src=0)
+        messages = box[0]
+        samples = [s for m in messages for s in m["samples"]]
+        per_rank = len(samples) // world
+        return {"samples": samples[rank * per_rank:(rank + 1) * per_rank], "evals": messages[0]["evals"],
+                "seconds": {k: max(m["seconds"].get(k, 0.0) for m in messages) for k in messages[0]["seconds"]},
+                "reward_timeouts": sum(m["reward_timeouts"] for m in messages) if rank == 0 else 0}
+
     def save_state(step: int) -> None:
         with timer("save_state"):
             save_training_state(output_dir, step, policy, optimizer, scheduler, sampler,
@@ -429,49 +589,53 @@ def main():
 
     # Installed after the engine, which may set handlers of its own: SIGTERM now means "save and stop".
     preemption, bad_steps = PreemptionFlag(), BadStepCounter(args.max_bad_steps)
+    first_eval = last_eval = None
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
-        engine.sleep()  # the optimizer state that loading allocates needs the memory an awake vLLM holds
+        if engine is not None:
+            engine.sleep()  # the optimizer state that loading allocates needs the memory an awake vLLM holds
         info = load_training_state(resume_path, policy, optimizer, scheduler, sampler)
         first_eval, last_eval = info["extra"]["first_eval"], info["extra"]["last_eval"]
         bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
         logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
                      f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are exact, "
                      f"random streams re-seeded)"))
-    else:
+    elif engine is not None:
         first_eval = last_eval = run_eval(0)
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
+    if placement:  # the rollout ranks start from the trainers' weights (and evaluate them on a fresh run)
+        push_weights(start_step)
+        timer.pop()
 
     for step in range(start_step + 1, args.steps + 1):
         step_start = time.perf_counter()
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
         reward_timeouts[0] = 0
-        metrics = sync_engine(step - 1)
-
-        # 1. Rollout: group_size responses per prompt.
-        prompts = sampler.next_batch()
-        with timer("rollout"):
-            outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
-                                      max_tokens=args.max_response_len, temperature=args.temperature,
-                                      top_p=args.top_p, seed=args.seed * 1_000_003 + step)
-        engine.sleep()
-
-        # 2. Reward: every rank scores its own samples; a failure anywhere stops every rank.
-        samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs,
-                        finished=c.finished, prompt=p["prompt"], answer=p["answer"])
-                   for p, group in zip(prompts, outputs) for c in group]
-        with timer("reward"):
-            rewards = score_responses(reward_fn, tokenizer, samples, [s["response_ids"] for s in samples])
-
-        # 3. Advantages, relative to each prompt's group.
-        rewards = torch.tensor(rewards).view(len(prompts), args.group_size)
-        advantages = group_advantages(rewards, args.scale_rewards)
-        informative = (rewards.std(dim=1) > 0).repeat_interleave(args.group_size)  # zero-variance groups: no signal
-        for s, a, keep in zip(samples, advantages.flatten().tolist(), informative.tolist()):
-            s["advantage"], s["loss_weight"] = a, float(keep)
-        rollout_sums = [rewards.sum().item(), (rewards > 0).sum().item(), rewards.numel(),
+        if placement:  # 1-3 happened on the rollout ranks: generation, rewards, advantages
+            with timer("rollout_wait"):
+                batch = receive_batch()
+            samples, reward_timeouts[0] = batch["samples"], batch["reward_timeouts"]
+            metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
+            for version, result in sorted(batch["evals"].items()):
+                first_eval = result if version == 0 else first_eval
+                last_eval = result
+                metrics.update({**result, "eval/version": version})
+        else:
+            metrics = sync_engine(step - 1)
+            # 1. Rollout: group_size responses per prompt.
+            prompts = sampler.next_batch()
+            with timer("rollout"):
+                outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
+                                          max_tokens=args.max_response_len, temperature=args.temperature,
+                                          top_p=args.top_p, seed=args.seed * 1_000_003 + step)
+            engine.sleep()
+            # 2-3. Rewards (every rank scores its own samples; a failure anywhere stops every rank), advantages.
+            with timer("reward"):
+                samples = build_samples(prompts, outputs, reward_fn, tokenizer, args, version=step - 1)
+        rollout_sums = [sum(s["reward"] for s in samples), sum(s["reward"] > 0 for s in samples), len(samples),
                         sum(len(s["response_ids"]) for s in samples), sum(not s["finished"] for s in samples),
-                        informative.sum().item()]
+                        sum(s["loss_weight"] > 0 for s in samples)]
+        lag = staleness_metrics([s["version"] for s in samples], step - 1, staleness)
 
         # Every rank takes about the same token work: samples move between ranks (the loss is a global mean anyway).
         samples, _ = share_samples_evenly(samples, sample_lengths(samples), world, rank)
@@ -491,14 +655,19 @@ def main():
             if stats["opt_steps"]:  # the schedule counts updates (a batch of equal-reward groups makes none)
                 scheduler.step()
 
+        if placement and step in versions_to_send:  # the rollout ranks pick it up before their next batch
+            metrics.update(push_weights(step))
+
         # 6. Log: sums over ranks, then means.
         lengths = sample_lengths(samples)
         metrics.update(batching_metrics(plan_equal_micro_batches(samples, budget, device), lengths, device))
-        sums = all_reduce_sum(rollout_sums + [
+        tis = tis_metrics([s["old_logprobs"] for s in samples], [s["logprobs"] for s in samples], args.tis_cap or 1.0)
+        sums = all_reduce_sum(rollout_sums + [lag["staleness_sum"], tis["tis_weight_sum"], tis["tis_capped"]] + [
             sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples), sum(lengths),
             stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"], stats["tokens"], stats["grad_norm"],
             stats["opt_steps"], stats["skipped"], reward_timeouts[0]], device)
-        (reward_sum, correct, count, response_tokens, truncated, informative_count, lp_diff, total_tokens,
+        (reward_sum, correct, count, response_tokens, truncated, informative_count, staleness_sum, tis_sum, tis_capped,
+         lp_diff, total_tokens,
          loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps, skipped, timeouts) = sums
         opt_steps = max(opt_steps / world, 1)
         update_seconds = timer.seconds["time/update"]
@@ -514,12 +683,19 @@ def main():
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
         metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})
+        if placement:  # how many updates old the weights that generated this batch were
+            metrics.update({"rollout/staleness_mean": staleness_sum / count,
+                            "rollout/staleness_max": max_over_ranks(lag["staleness_max"], device)})
+        if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
+            metrics.update({"tis/weight_mean": tis_sum / max(response_tokens, 1),
+                            "tis/capped_frac": tis_capped / max(response_tokens, 1),
+                            "tis/ratio_max": max_over_ranks(tis["tis_ratio_max"], device)})
         bad_steps.record(skipped > 0, step)  # raises on every rank after --max-bad-steps in a row
         train_mfu = mfu(num_params, total_tokens * args.epochs, update_seconds, peak)
         if train_mfu is not None:
             metrics["perf/mfu"] = train_mfu
         metrics.update(timer.pop())
-        if args.eval_every and step % args.eval_every == 0 or step == args.steps:
+        if engine is not None and (args.eval_every and step % args.eval_every == 0 or step == args.steps):
             last_eval = run_eval(step)
             metrics.update(last_eval)
             metrics.update(timer.pop())
@@ -541,6 +717,10 @@ def main():
             dist.destroy_process_group()
             return
 
+    if placement and start_step < args.steps:  # the rollout ranks' last message: evaluations of the last versions
+        for version, result in sorted(receive_batch()["evals"].items()):
+            last_eval = result
+        logger.log(args.steps, {**last_eval, "eval/version": args.steps}, advance=False)
     if start_step >= args.steps:
         logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
                      f"(--resume none starts afresh, --steps trains further)")

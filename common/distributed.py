@@ -55,8 +55,8 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def max_over_ranks(value: int, device: torch.device) -> int:
+def max_over_ranks(value: int | float, device: torch.device) -> int | float:
     """Collective: the largest `value` of all ranks (e.g. the micro-batch count every rank must run)."""
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return type(value)(t.item())

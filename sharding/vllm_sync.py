@@ -33,13 +33,23 @@ def full_tensor(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return param.to(dtype).full_tensor()  # cast the shard first: the all-gather moves half the bytes of fp32
 
 
-def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module, dtype: torch.dtype):
+def weight_shapes(model: torch.nn.Module) -> list[tuple[str, torch.Size]]:
+    """(checkpoint name, full shape) of every weight `trainer_weights` yields, in its order; works on any copy of
+    the architecture (FSDP2-sharded, plain, or on the meta device)."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return [(hf_name(name), p.shape) for name, p in model.named_parameters()
+            if not (tied and hf_name(name) == "lm_head.weight")]
+
+
+def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, dtype: torch.dtype):
     """Yields (checkpoint name, full tensor) for every weight vLLM loads, in the same order on every rank.
 
     Only parameters: the buffers of HF decoder models (rotary inv_freq) are recomputed by vLLM, never loaded.
     A tied lm_head is skipped: vLLM's tied models share embed_tokens and skip "lm_head." when loading.
+    vllm_model None: the receiver is not in this process; the trainer's own config says whether the head is tied.
     """
-    tied = getattr(getattr(vllm_model, "config", None), "tie_word_embeddings", False)
+    config = getattr(vllm_model if vllm_model is not None else model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # A forward without backward leaves the root's weights gathered, and named_parameters() would then

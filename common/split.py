@@ -1,0 +1,210 @@
+"""Split placement: some ranks only train, others only generate, and the two sides talk over a small link.
+
+`torchrun --nproc_per_node N script.py --rollout-ranks K` makes the first N - K ranks trainers and the last K
+rollout ranks. Each side gets a torch.distributed world of its own (its default process group): the trainers run
+FSDP2 over theirs exactly as in colocated mode, and vLLM's `external_launcher` on the rollout ranks sees a world of
+K ranks, its tensor-parallel groups among them. The link joins trainer 0 with every rollout rank through two
+process groups built on torchrun's store: a gloo one for samples (pickled Python objects) and one on the device's
+backend (NCCL on GPUs) for weights, streamed in size-bounded buckets after each update.
+
+Versions: the weights after k optimizer updates are version k. The batch trained at step k (1-based) is generated
+with version k - 1 in synchronous mode, and with version max(start, k - 1 - max_staleness) with --async-rollout:
+the rollout ranks generate batch k + 1 while the trainers train on batch k. Both sides compute the same schedule
+of versions the trainers send (`weight_versions`), so every message on the link pairs up without a handshake.
+"""
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Placement:
+    role: str  # "train" or "rollout"
+    rank: int  # within the role's own world (the default process group)
+    world: int
+    num_trainers: int
+    num_rollout: int
+    samples_link: object = None  # gloo process group: trainer 0 (link rank 0) and rollout rank r (link rank 1 + r)
+    weights_link: object = None  # the same members, on the device's backend
+
+    @property
+    def on_link(self) -> bool:
+        return self.samples_link is not None
+
+
+def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, torch.device]:
+    """Collective over every process torchrun started: the two role worlds and the link between them."""
+    import os
+    if "RANK" not in os.environ:
+        raise ValueError("--rollout-ranks needs several processes: launch with torchrun --nproc_per_node N")
+    store, global_rank, global_world = next(dist.rendezvous("env://"))
+    store.set_timeout(timedelta(minutes=timeout_minutes))
+    num_trainers = global_world - num_rollout
+    if not 0 < num_rollout < global_world:
+        raise ValueError(f"--rollout-ranks {num_rollout} must leave at least one of the {global_world} ranks to train")
+    role = "rollout" if global_rank >= num_trainers else "train"
+    rank = global_rank - num_trainers if role == "rollout" else global_rank
+    world = num_rollout if role == "rollout" else num_trainers
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"nanorl_{role}", store),
+                            rank=rank, world_size=world, **({"device_id": device} if cuda else {}))
+    # Code that reads the launcher's variables (vLLM's external_launcher reads RANK) sees its role's world.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    placement = Placement(role, rank, world, num_trainers, num_rollout)
+    if global_rank == 0 or role == "rollout":
+        link_rank = 0 if role == "train" else 1 + rank
+        timeout = timedelta(minutes=timeout_minutes)
+        placement.samples_link = dist.ProcessGroupGloo(dist.PrefixStore("nanorl_link_samples", store), link_rank,
+                                                       1 + num_rollout, timeout)
+        weights_store = dist.PrefixStore("nanorl_link_weights", store)
+        if cuda:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            placement.weights_link = dist.ProcessGroupNCCL(weights_store, link_rank, 1 + num_rollout, options)
+        else:
+            placement.weights_link = dist.ProcessGroupGloo(weights_store, link_rank, 1 + num_rollout, timeout)
+    return placement, device
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Versions and staleness: the schedule both sides follow.
+
+def behaviour_version(step: int, start_step: int, max_staleness: int) -> int:
+    """The weight version the batch for `step` is generated with (0 when not async)."""
+    return max(start_step, step - 1 - max_staleness)
+
+
+def eval_versions(start_step: int, steps: int, eval_every: int) -> list[int]:
+    """Versions evaluated on the held-out prompts: the initial weights of a fresh run, every eval_every, the last."""
+    first = [0] if start_step == 0 else []
+    return first + [k for k in range(start_step + 1, steps + 1) if eval_every and k % eval_every == 0 or k == steps]
+
+
+def weight_versions(start_step: int, steps: int, max_staleness: int, eval_every: int) -> list[int]:
+    """Versions the trainers send, in order: the starting weights (the rollout engine holds none of its own), each
+    version a later batch is generated with, and each version to be evaluated."""
+    needed = {behaviour_version(k, start_step, max_staleness) for k in range(start_step + 1, steps + 1)}
+    return sorted(needed | set(eval_versions(start_step, steps, eval_every)) | {start_step})
+
+
+def staleness_metrics(versions: list[int], trainer_version: int, max_staleness: int) -> dict[str, float]:
+    """Sums for one rank's samples; raises if a sample is older than allowed (a bookkeeping bug, never expected)."""
+    lags = [trainer_version - v for v in versions]
+    if lags and (max(lags) > max_staleness or min(lags) < 0):
+        raise RuntimeError(f"samples of weight versions {sorted(set(versions))} reached the trainer at version "
+                           f"{trainer_version}: staleness must be in [0, {max_staleness}]")
+    return {"staleness_sum": float(sum(lags)), "staleness_max": float(max(lags, default=0))}
+
+
+def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list[torch.Tensor], cap: float) -> dict:
+    """Sums over one rank's tokens of the truncated importance weights min(p_old / p_behaviour, cap): the weight
+    sum, how many tokens were capped, and the largest uncapped ratio."""
+    if not old_logprobs:
+        return {"tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
+    ratio = (torch.cat(old_logprobs) - torch.cat([torch.as_tensor(b, dtype=torch.float32)
+                                                   for b in behaviour_logprobs])).exp()
+    return {"tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
+            "tis_ratio_max": ratio.max().item()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Samples: pickled objects from the rollout ranks to trainer 0.
+
+def send_object(link, obj, dst: int) -> list:
+    """Starts sending `obj` to link rank `dst`; returns the pending works (wait on them before the next send)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    return [link.send([size], dst, 0), link.send([payload], dst, 1), (size, payload)]  # keep the buffers alive
+
+
+def wait_sent(pending: list) -> None:
+    for work in pending[:2]:
+        work.wait()
+
+
+def recv_object(link, src: int):
+    size = torch.zeros(1, dtype=torch.int64)
+    link.recv([size], src, 0).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    link.recv([payload], src, 1).wait()
+    return pickle.loads(payload.numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights: trainer 0 broadcasts each version to the rollout ranks in buckets.
+
+def plan_buckets(sizes_bytes: list[int], limit_bytes: int) -> list[list[int]]:
+    """Consecutive tensors grouped until the next would take a bucket past the limit (a bigger one goes alone)."""
+    buckets, current, current_bytes = [], [], 0
+    for i, size in enumerate(sizes_bytes):
+        if current and current_bytes + size > limit_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += size
+    return buckets + ([current] if current else [])
+
+
+def send_header(placement: Placement, version: int, stop: bool, device: torch.device) -> None:
+    if placement.on_link:
+        header = torch.tensor([version, int(stop)], dtype=torch.int64, device=device)
+        placement.weights_link.broadcast(header, 0).wait()
+
+
+def recv_header(placement: Placement, device: torch.device) -> tuple[int, bool]:
+    header = torch.zeros(2, dtype=torch.int64, device=device)
+    placement.weights_link.broadcast(header, 0).wait()
+    return int(header[0]), bool(header[1])
+
+
+@torch.no_grad()
+def send_weights(placement: Placement, named_tensors, shapes: list[tuple[str, torch.Size]], dtype: torch.dtype,
+                 bucket_mb: int, device: torch.device) -> int:
+    """Trainers (all of them: `named_tensors` gathers each full tensor collectively); trainer 0 broadcasts.
+    Returns the bytes sent."""
+    element = torch.empty((), dtype=dtype).element_size()
+    buckets = plan_buckets([s.numel() * element for _, s in shapes], bucket_mb * 2**20)
+    tensors = iter(named_tensors)
+    total = 0
+    for bucket in buckets:
+        parts = [next(tensors)[1].to(dtype).flatten() for _ in bucket]
+        if placement.on_link:
+            flat = torch.cat(parts).to(device)
+            placement.weights_link.broadcast(flat, 0).wait()
+            total += flat.numel() * element
+    return total
+
+
+@torch.no_grad()
+def recv_weights(placement: Placement, shapes: list[tuple[str, torch.Size]], dtype: torch.dtype, bucket_mb: int,
+                 device: torch.device, load) -> int:
+    """Rollout ranks: receives one version bucket by bucket; load([(name, tensor), ...]) takes each bucket."""
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for bucket in plan_buckets([s.numel() * element for _, s in shapes], bucket_mb * 2**20):
+        flat = torch.empty(sum(shapes[i][1].numel() for i in bucket), dtype=dtype, device=device)
+        placement.weights_link.broadcast(flat, 0).wait()
+        views = flat.split([shapes[i][1].numel() for i in bucket])
+        load([(shapes[i][0], view.view(shapes[i][1])) for i, view in zip(bucket, views)])
+        total += flat.numel() * element
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return total
+
+
+def load_into_module(module: torch.nn.Module):
+    """A `load` for recv_weights that copies into a plain (unsharded) model's parameters by checkpoint name."""
+    from sharding.vllm_sync import hf_name
+    params = {hf_name(name): p for name, p in module.named_parameters()}
+
+    def load(bucket):
+        for name, tensor in bucket:
+            params[name].data.copy_(tensor)
+    return load
