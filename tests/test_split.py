@@ -1,0 +1,147 @@
+"""Split placement and async rollouts (common/split.py, grpo.py --rollout-ranks / --async-rollout): the version
+schedule and the correction math by hand, the link's messages and weight buckets between real processes, and
+grpo.py end to end with trainer and rollout ranks."""
+
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from common.split import (behaviour_version, eval_versions, plan_buckets, recv_object, recv_weights, send_object,
+                          staleness_metrics, tis_metrics, wait_sent, weight_versions)
+from gloo import finish_gloo, free_port, init_gloo
+from test_grpo_e2e import torchrun
+
+
+def test_behaviour_versions_lag_by_the_staleness():
+    # Synchronous: batch k comes from the weights after k - 1 updates.
+    assert [behaviour_version(k, 0, 0) for k in range(1, 5)] == [0, 1, 2, 3]
+    # One-step off-policy: batch k + 1 is generated while batch k trains, so with the weights before that update.
+    assert [behaviour_version(k, 0, 1) for k in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [behaviour_version(k, 0, 2) for k in range(1, 6)] == [0, 0, 0, 1, 2]
+    # A resumed run starts from the checkpoint's weights: nothing older exists.
+    assert [behaviour_version(k, 10, 1) for k in range(11, 14)] == [10, 10, 11]
+
+
+def test_weight_schedule_sends_what_is_generated_with_or_evaluated():
+    assert eval_versions(0, 6, 3) == [0, 3, 6]
+    assert eval_versions(4, 6, 3) == [6]  # a resumed run evaluated its start before it stopped
+    # 6 steps, async: batches use versions 0,0,1,2,3,4; versions 3 and 6 are evaluated; 5 is never needed.
+    assert weight_versions(0, 6, 1, 3) == [0, 1, 2, 3, 4, 6]
+    assert weight_versions(0, 6, 0, 0) == [0, 1, 2, 3, 4, 5, 6]  # sync: every version (the last for evaluation)
+    assert weight_versions(4, 6, 1, 0) == [4, 6]  # resumed at 4: batches 5 and 6 both use version 4
+
+
+def test_staleness_bookkeeping():
+    assert staleness_metrics([3, 3, 2], trainer_version=3, max_staleness=1) == {"staleness_sum": 1.0,
+                                                                                 "staleness_max": 1.0}
+    with pytest.raises(RuntimeError, match="staleness must be in"):
+        staleness_metrics([1, 3], trainer_version=3, max_staleness=1)
+    with pytest.raises(RuntimeError, match="staleness must be in"):
+        staleness_metrics([4], trainer_version=3, max_staleness=1)  # from the future: a bookkeeping bug
+
+
+def test_truncated_importance_weights_by_hand():
+    # Two sequences; ratios p_old / p_behaviour = exp(old - behaviour) = 1/2, 1, 3 (capped at 2), 4 (capped).
+    old = [torch.tensor([math.log(0.25), math.log(0.5)]), torch.tensor([math.log(0.6), math.log(0.8)])]
+    behaviour = [[math.log(0.5), math.log(0.5)], [math.log(0.2), math.log(0.2)]]
+    stats = tis_metrics(old, behaviour, cap=2.0)
+    assert stats["tis_weight_sum"] == pytest.approx(0.5 + 1 + 2 + 2, rel=1e-6)
+    assert stats["tis_capped"] == 2
+    assert stats["tis_ratio_max"] == pytest.approx(4.0, rel=1e-6)
+
+
+def test_buckets_close_before_the_limit():
+    assert plan_buckets([4, 4, 4], 8) == [[0, 1], [2]]
+    assert plan_buckets([10, 2, 2, 9], 8) == [[0], [1, 2], [3]]  # a tensor over the limit goes alone
+    assert plan_buckets([], 8) == []
+
+
+def _link_worker(rank: int, port: int, out_dir: str):
+    """Link rank 0 is the trainer, 1 and 2 rollout ranks: objects flow in, weights flow out in buckets."""
+    from common.split import Placement, recv_header, send_header, send_weights
+    init_gloo(rank, 3, port)
+    link, weights = dist.new_group([0, 1, 2], backend="gloo"), dist.new_group([0, 1, 2], backend="gloo")
+    placement = Placement("train" if rank == 0 else "rollout", rank, 3, 1, 2, link, weights)
+    shapes = [("a", torch.Size([3, 2])), ("b", torch.Size([5])), ("c", torch.Size([2, 2]))]
+    cpu = torch.device("cpu")
+    if rank == 0:
+        messages = [recv_object(link, 1), recv_object(link, 2)]
+        tensors = [("a", torch.arange(6.0).view(3, 2)), ("b", torch.ones(5)), ("c", -torch.eye(2))]
+        send_header(placement, 7, False, cpu)
+        sent = send_weights(placement, iter(tensors), shapes, torch.float32, bucket_mb=0, device=cpu)
+        out = dict(messages=messages, sent=sent)
+    else:
+        # The rollout side sends first and receives before its send has completed, as the async loop does.
+        pending = send_object(link, {"from": rank, "samples": list(range(rank * 3))}, 0)
+        version, stop = recv_header(placement, cpu)
+        got, buckets = {}, []
+
+        def load(bucket):
+            buckets.append([name for name, _ in bucket])
+            got.update({name: t.clone() for name, t in bucket})
+        recv_weights(placement, shapes, torch.float32, bucket_mb=0, device=cpu, load=load)
+        wait_sent(pending)
+        out = dict(version=version, stop=stop, got=got, buckets=buckets)
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    finish_gloo()
+
+
+def test_link_carries_objects_in_and_weights_out(tmp_path):
+    torch.multiprocessing.spawn(_link_worker, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
+    trainer = torch.load(tmp_path / "0.pt")
+    assert trainer["messages"] == [{"from": 1, "samples": [0, 1, 2]}, {"from": 2, "samples": [0, 1, 2, 3, 4, 5]}]
+    assert trainer["sent"] == (6 + 5 + 4) * 4
+    for rank in (1, 2):
+        rollout = torch.load(tmp_path / f"{rank}.pt")
+        assert rollout["version"] == 7 and not rollout["stop"]
+        assert rollout["buckets"] == [["a"], ["b"], ["c"]]  # a zero-MB limit: one tensor per bucket
+        torch.testing.assert_close(rollout["got"]["a"], torch.arange(6.0).view(3, 2))
+        torch.testing.assert_close(rollout["got"]["b"], torch.ones(5))
+        torch.testing.assert_close(rollout["got"]["c"], -torch.eye(2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grpo.py end to end.
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_split_placement_syncs_exact_weights(tmp_path):
+    """2 trainers + 2 rollout ranks, synchronous: the rollout ranks sample with exactly the trainers' weights, so
+    their log-probs equal the trainers' (fp32 on CPU), and every batch is fresh (staleness 0)."""
+    out = tmp_path / "run"
+    result = torchrun(["--rollout-ranks", "2", "--steps", "4", "--eval-every", "2", "--eval-size", "32",
+                       "--output-dir", str(out)], tmp_path, nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["rollout/logprob_diff"] < 1e-5 for r in steps), [r["rollout/logprob_diff"] for r in steps]
+    assert all(r["rollout/staleness_max"] == 0 for r in steps)
+    assert [r["eval/version"] for r in rows if "eval/version" in r] == [0, 2, 4]
+    assert (out / "hf_step_4").exists()
+
+
+def test_async_split_learns_the_builtin_task(tmp_path):
+    """1 rollout rank generating one step ahead of 2 trainers: every batch after the first is one update old, the
+    correction is logged, and the built-in task is learned in the steps a synchronous run takes (200)."""
+    out = tmp_path / "run"
+    result = torchrun(["--rollout-ranks", "1", "--async-rollout", "--output-dir", str(out)], tmp_path, nproc=3,
+                      timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"held-out greedy accuracy: ([\d.]+) before training -> ([\d.]+) after",
+                      result.stdout + result.stderr)
+    before, after = float(match.group(1)), float(match.group(2))
+    assert before < 0.2 and after >= 0.8, (before, after)
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert steps[0]["rollout/staleness_mean"] == 0 and steps[0]["rollout/logprob_diff"] < 1e-5
+    assert all(r["rollout/staleness_mean"] == 1 and r["rollout/staleness_max"] == 1 for r in steps[1:])
+    # One update behind: the behaviour log-probs differ from the trainer's, and the weights average about 1.
+    assert sum(r["rollout/logprob_diff"] for r in steps[1:]) / (len(steps) - 1) > 1e-3
+    assert all(0.5 < r["tis/weight_mean"] <= 2.0 and 0 <= r["tis/capped_frac"] < 0.5 for r in steps)
