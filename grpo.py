@@ -680,6 +680,7 @@ def main():
             "policy/clip_frac": clipfrac / max(trained_tokens, 1), "policy/entropy": entropy / max(trained_tokens, 1),
             "policy/grad_norm": grad_norm / world / opt_steps, "policy/lr": scheduler.get_last_lr()[0],
             "perf/tokens_per_s": total_tokens / (time.perf_counter() - step_start),
+            "time/step": time.perf_counter() - step_start,
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
         metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})

@@ -1,0 +1,90 @@
+"""Step time of synchronous colocated GRPO against async split placement on the same GPUs, in one run.
+
+Runs grpo.py twice on a random-weight model of the chosen shape with the same prompts, lengths and steps:
+  colocated: every GPU trains (FSDP2) and generates (vLLM, one replica per GPU), one phase after the other;
+  split:     half the GPUs generate (--rollout-ranks), the other half train, the rollout one step ahead
+             (--async-rollout).
+Reads both runs' metrics.jsonl (steps 2 .. steps-1: warm-up and the final save left out) and reports the median
+step time, generation and training seconds, the throughput ratio, and for split the overlap efficiency
+max(generation, training) / step time (1.0: the step is as long as its longer phase, perfect overlap).
+
+    python scripts/bench_async.py --gpus 2 --shape 0.5b --out benchmarks/results/async_0.5b_2gpu.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REWARD = "import zlib\ndef reward(prompt, completion, answer):\n    return float(zlib.crc32(completion.encode()) % 2)\n"
+
+
+def run(name: str, gpus: int, extra: list[str], args, work: Path) -> list[dict]:
+    out = work / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
+           str(ROOT / "grpo.py"), "--model", str(work / "model"), "--reward-fn", f"{work / 'reward.py'}:reward",
+           "--lr", "1e-5", "--steps", str(args.steps), "--eval-every", "0", "--eval-size", str(args.eval_size),
+           "--max-response-len", str(args.response_len), "--prompts-per-step", str(args.prompts),
+           "--group-size", str(args.group_size), "--save-state-every", "0", "--resume", "none",
+           "--rollout-engine", "vllm", "--output-dir", str(out), *extra]
+    print(" ".join(cmd), flush=True)
+    with open(work / f"{name}.log", "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [r for r in rows if "time/step" in r and 2 <= r["step"] < args.steps]
+
+
+def median(rows: list[dict], *keys: str) -> float:
+    return statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--response-len", type=int, default=512)
+    parser.add_argument("--eval-size", type=int, default=32)
+    parser.add_argument("--work", default="/tmp/nanorl_bench_async")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per grpo.py run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "reward.py").write_text(REWARD)
+    subprocess.run([sys.executable, str(ROOT / "scripts/random_model.py"), "--shape", args.shape, "--out",
+                    str(work / "model")], check=True)
+    colocated = run("colocated", args.gpus, ["--rollout-gpu-memory", "0.4"], args, work)
+    split = run("split_async", args.gpus, ["--rollout-ranks", str(args.gpus // 2), "--async-rollout",
+                                           "--rollout-gpu-memory", "0.85"], args, work)
+    train_keys = ("time/logprobs", "time/update", "time/sync")
+    result = {
+        "shape": args.shape, "gpus": args.gpus, "steps_measured": len(split), "prompts": args.prompts,
+        "group_size": args.group_size, "response_len": args.response_len,
+        "colocated": {"step_s": median(colocated, "time/step"), "generate_s": median(colocated, "time/rollout"),
+                      "reward_s": median(colocated, "time/reward"), "train_s": median(colocated, *train_keys)},
+        "split_async": {"step_s": median(split, "time/step"), "generate_s": median(split, "time/rollout_generate"),
+                        "reward_s": median(split, "time/rollout_reward"), "train_s": median(split, *train_keys),
+                        "wait_s": median(split, "time/rollout_wait"),
+                        "staleness_mean": statistics.mean(r["rollout/staleness_mean"] for r in split),
+                        "tis_weight_mean": statistics.mean(r["tis/weight_mean"] for r in split)},
+    }
+    s = result["split_async"]
+    s["overlap_efficiency"] = max(s["generate_s"] + s["reward_s"], s["train_s"]) / s["step_s"]
+    result["split_over_colocated_throughput"] = result["colocated"]["step_s"] / s["step_s"]
+    print(json.dumps(result, indent=2))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
