@@ -9,8 +9,10 @@ https://arxiv.org/abs/2503.20783). Groups whose rewards are all equal carry no s
 
 Each step: rollout -> reward -> advantages -> old/ref log-probs -> policy update -> weight sync -> log -> checkpoint.
 Training runs under FSDP2 on packed token-budget micro-batches; rollouts come from vLLM on GPUs or from the trained
-model itself (HF generate) on CPU. Left out on purpose: DAPO's dynamic sampling (refilling the batch with
-informative groups), overlong reward shaping, and any rollout/training overlap: one synchronous step at a time.
+model itself (HF generate) on CPU, on every rank (colocated, the default) or on `--rollout-ranks K` ranks of their
+own (split placement: `rollout_worker` below), which with `--async-rollout` generate the next batch while the
+trainers train on this one, one update behind, corrected by truncated importance sampling (`--tis-cap`).
+Left out on purpose: DAPO's dynamic sampling (refilling the batch with informative groups), overlong reward shaping.
 
     torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
