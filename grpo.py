@@ -19,6 +19,7 @@ Left out on purpose: DAPO's dynamic sampling (refilling the batch with informati
         --dataset-config main --prompt-key question --reward-fn gsm8k
 """
 
+import collections
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -41,9 +42,9 @@ from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.rewards import compute_rewards, load_reward_fn
 from common.rollout import make_rollout_engine, resolve_engine_kind
-from common.split import (behaviour_version, eval_versions, init_split, load_into_module, recv_header, recv_object,
-                          recv_weights, send_header, send_object, send_weights, staleness_metrics, tis_metrics,
-                          wait_sent, weight_versions)
+from common.split import (behaviour_version, check_shapes, eval_versions, init_split, load_into_module, recv_header,
+                          recv_object, recv_weights, send_header, send_object, send_weights, staleness_metrics,
+                          tis_metrics, weight_versions)
 from sharding.checkpoint import save_hf_checkpoint
 from sharding.vllm_sync import trainer_weights, weight_shapes
 
@@ -374,9 +375,14 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
 
     The trainers send the versions of `weight_versions`, and this side receives each one just before the first
     batch that needs it (so with --async-rollout it generates with weights up to --max-staleness updates old),
-    evaluates the versions due for evaluation, and sends each batch to trainer 0 without waiting for it to arrive.
+    evaluates the versions due for evaluation, and sends each batch to trainer 0 without waiting for it to arrive:
+    up to max(1, staleness) batches may be on their way while this side waits for the next version.
+    The last message carries the evaluations of the last versions; the trainers save after it.
     """
     staleness = args.max_staleness if args.async_rollout else 0
+    if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
+        dist.destroy_process_group()
+        return
     model_dir = save_model_config(args.model, tokenizer, os.path.join(output_dir, f"model_config_rollout{placement.rank}"))
     if args.rollout_engine == "vllm":
         engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
@@ -396,15 +402,14 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
         sampler.next_batch()
     versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
     to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
-    held, evals, seconds, pending = None, {}, {}, None
+    held, evals, seconds, pending = None, {}, {}, collections.deque()
+    pending.append(send_object(placement.samples_link, shapes, 0))  # trainer 0 checks them against its own
 
-    def receive_through(version: int) -> bool:
-        """Receives every scheduled version up to `version`; False when the trainers said stop."""
+    def receive_through(version: int) -> None:
+        """Receives every scheduled version up to `version`, evaluating those due."""
         nonlocal held
         while versions and versions[0] <= version:
-            received, stop = recv_header(placement, device)
-            if stop:
-                return False
+            received = recv_header(placement, device)
             assert received == versions.pop(0), f"weight version {received} arrived out of schedule"
             start = time.perf_counter()
             recv_weights(placement, shapes, dtype, args.sync_bucket_mb, device, load)
@@ -416,19 +421,18 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
                 evals[held] = evaluate(engine, eval_rows, reward_fn, tokenizer, args, placement.rank,
                                        placement.world, device)
                 seconds["eval"] = seconds.get("eval", 0.0) + time.perf_counter() - start
-        return True
 
     def send(message: dict) -> None:
-        nonlocal pending
-        if pending is not None:
-            wait_sent(pending)  # the previous batch has reached trainer 0
+        # A send completes once trainer 0 receives it, and trainer 0 takes batch k only after it has sent the
+        # version that batch k + staleness is generated with: so up to `staleness` batches stay in flight.
+        while len(pending) >= max(1, staleness):
+            pending.popleft().wait()
         message.update(evals=dict(evals), seconds=dict(seconds))
         evals.clear(), seconds.clear()
-        pending = send_object(placement.samples_link, message, 0)
+        pending.append(send_object(placement.samples_link, message, 0))
 
     for step in range(start_step + 1, args.steps + 1):
-        if not receive_through(behaviour_version(step, start_step, staleness)):
-            return
+        receive_through(behaviour_version(step, start_step, staleness))
         prompts = sampler.next_batch()
         start = time.perf_counter()
         outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
@@ -440,9 +444,10 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
         samples = build_samples(prompts, outputs, reward_fn, tokenizer, args, version=held)
         seconds["reward"] = time.perf_counter() - start
         send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts[0]})
-    if receive_through(args.steps):  # the last versions (evaluation only)
-        send({"step": None, "samples": [], "reward_timeouts": 0})
-        wait_sent(pending)
+    receive_through(args.steps)  # the last versions (evaluation only)
+    send({"step": None, "samples": [], "reward_timeouts": 0})
+    while pending:
+        pending.popleft().wait()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -520,14 +525,15 @@ def main():
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     logger.print(f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} "
                  f"longer than --max-prompt-len {args.max_prompt_len}")
+    # In split placement the rollout ranks draw the prompts; the trainers' sampler only keeps the data position
+    # that checkpoints save (batches are a function of the step, so both sides agree).
+    sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
+    engine = None
     if placement:
         logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout ranks"
                      + (f", async (max staleness {args.max_staleness}, TIS cap {args.tis_cap})"
                         if args.async_rollout else ", synchronous"))
-        sampler = None  # the rollout ranks sample prompts; batches are a function of the step
-        engine = None
     else:
-        sampler = PromptSampler(train_rows, prompts_per_rank, rank, world, args.seed)
         model_dir = os.path.join(output_dir, "model_config")  # architecture only: vLLM starts with dummy weights
         if rank == 0:
             save_model_config(args.model, tokenizer, model_dir)
@@ -564,23 +570,36 @@ def main():
     shapes = weight_shapes(policy) if placement else None
 
     def push_weights(version: int) -> dict[str, float]:
-        send_header(placement, version, False, device)
-        with timer("sync"):
+        send_header(placement, version, device)
+        with timer("sync"):  # includes waiting for the rollout ranks to take it (when they are still generating)
             num_bytes = send_weights(placement, trainer_weights(policy, None, link_dtype), shapes, link_dtype,
                                      args.sync_bucket_mb, device)
         return {"sync/gb": num_bytes / 1e9} if placement.on_link else {}
 
-    def receive_batch() -> dict:
-        """Trainer 0 takes one message from every rollout rank; every trainer keeps its slice of the samples."""
+    def receive_batch(step: int | None) -> dict:
+        """Trainer 0 takes one message from every rollout rank; every trainer keeps its slice of the samples.
+        step None: the last message, with the evaluations of the last versions."""
         box = [[recv_object(placement.samples_link, 1 + r) for r in range(placement.num_rollout)]
                if placement.on_link else None]
         dist.broadcast_object_list(box, src=0)
         messages = box[0]
+        assert all(m["step"] == step for m in messages), f"expected step {step}, got {[m['step'] for m in messages]}"
         samples = [s for m in messages for s in m["samples"]]
         per_rank = len(samples) // world
         return {"samples": samples[rank * per_rank:(rank + 1) * per_rank], "evals": messages[0]["evals"],
                 "seconds": {k: max(m["seconds"].get(k, 0.0) for m in messages) for k in messages[0]["seconds"]},
                 "reward_timeouts": sum(m["reward_timeouts"] for m in messages) if rank == 0 else 0}
+
+    def log_evals(step: int, evals: dict[int, dict], metrics: dict) -> None:
+        """Evaluations from the rollout ranks arrive with later batches and are logged with their version; when
+        two land in one step, the earlier gets a row of its own."""
+        nonlocal first_eval, last_eval
+        for version, result in sorted(evals.items()):
+            if "eval/version" in metrics:
+                logger.log(step, {k: metrics.pop(k) for k in [*result, "eval/version"]}, advance=False)
+            first_eval = result if version == 0 else first_eval
+            last_eval = result
+            metrics.update({**result, "eval/version": version})
 
     def save_state(step: int) -> None:
         with timer("save_state"):
@@ -604,7 +623,10 @@ def main():
     elif engine is not None:
         first_eval = last_eval = run_eval(0)
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
-    if placement:  # the rollout ranks start from the trainers' weights (and evaluate them on a fresh run)
+    if placement and start_step < args.steps:  # the rollout ranks start from the trainers' weights
+        if placement.on_link:
+            for r in range(placement.num_rollout):
+                check_shapes(shapes, recv_object(placement.samples_link, 1 + r), r)
         push_weights(start_step)
         timer.pop()
 
@@ -614,14 +636,12 @@ def main():
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
         reward_timeouts[0] = 0
         if placement:  # 1-3 happened on the rollout ranks: generation, rewards, advantages
+            sampler.next_batch()  # the data position only
             with timer("rollout_wait"):
-                batch = receive_batch()
+                batch = receive_batch(step)
             samples, reward_timeouts[0] = batch["samples"], batch["reward_timeouts"]
             metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
-            for version, result in sorted(batch["evals"].items()):
-                first_eval = result if version == 0 else first_eval
-                last_eval = result
-                metrics.update({**result, "eval/version": version})
+            log_evals(step, batch["evals"], metrics)
         else:
             metrics = sync_engine(step - 1)
             # 1. Rollout: group_size responses per prompt.
@@ -657,8 +677,11 @@ def main():
             if stats["opt_steps"]:  # the schedule counts updates (a batch of equal-reward groups makes none)
                 scheduler.step()
 
-        if placement and step in versions_to_send:  # the rollout ranks pick it up before their next batch
+        stop = preemption.should_stop(device)  # SIGTERM on any rank: every rank saves and stops at this step
+        if placement and not stop and step in versions_to_send:  # taken before the rollout ranks' next batch
             metrics.update(push_weights(step))
+        if placement and step == args.steps:  # the evaluations of the last versions, before the last save
+            log_evals(step, receive_batch(None)["evals"], metrics)
 
         # 6. Log: sums over ranks, then means.
         lengths = sample_lengths(samples)
@@ -707,7 +730,6 @@ def main():
                 save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
                                    checkpoint_dtype(args.model))
             metrics.update(timer.pop())
-        stop = preemption.should_stop(device)  # SIGTERM on any rank: every rank saves and stops at this step
         if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
             save_state(step)
             metrics.update(timer.pop())
@@ -720,10 +742,6 @@ def main():
             dist.destroy_process_group()
             return
 
-    if placement and start_step < args.steps:  # the rollout ranks' last message: evaluations of the last versions
-        for version, result in sorted(receive_batch()["evals"].items()):
-            last_eval = result
-        logger.log(args.steps, {**last_eval, "eval/version": args.steps}, advance=False)
     if start_step >= args.steps:
         logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
                      f"(--resume none starts afresh, --steps trains further)")

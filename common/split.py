@@ -53,14 +53,16 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    # The trainers wait in collectives while the rollout ranks start vLLM, generate and evaluate: the same
+    # generous timeout on every group.
+    timeout = timedelta(minutes=timeout_minutes)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"nanorl_{role}", store),
-                            rank=rank, world_size=world, **({"device_id": device} if cuda else {}))
+                            rank=rank, world_size=world, timeout=timeout, **({"device_id": device} if cuda else {}))
     # Code that reads the launcher's variables (vLLM's external_launcher reads RANK) sees its role's world.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     placement = Placement(role, rank, world, num_trainers, num_rollout)
     if global_rank == 0 or role == "rollout":
         link_rank = 0 if role == "train" else 1 + rank
-        timeout = timedelta(minutes=timeout_minutes)
         placement.samples_link = dist.ProcessGroupGloo(dist.PrefixStore("nanorl_link_samples", store), link_rank,
                                                        1 + num_rollout, timeout)
         weights_store = dist.PrefixStore("nanorl_link_weights", store)
@@ -77,7 +79,8 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
 # Versions and staleness: the schedule both sides follow.
 
 def behaviour_version(step: int, start_step: int, max_staleness: int) -> int:
-    """The weight version the batch for `step` is generated with (0 when not async)."""
+    """The weight version the batch for `step` is generated with: step - 1 when synchronous (max_staleness 0),
+    up to max_staleness versions older with async rollouts, never older than the version the run started from."""
     return max(start_step, step - 1 - max_staleness)
 
 
@@ -117,16 +120,22 @@ def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list[torch
 # ---------------------------------------------------------------------------------------------------------------
 # Samples: pickled objects from the rollout ranks to trainer 0.
 
-def send_object(link, obj, dst: int) -> list:
-    """Starts sending `obj` to link rank `dst`; returns the pending works (wait on them before the next send)."""
+@dataclass
+class PendingSend:
+    works: list  # gloo sends complete only once the receiver has posted its receive
+    buffers: tuple  # kept alive until then
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def send_object(link, obj, dst: int) -> PendingSend:
+    """Starts sending `obj` to link rank `dst` and returns at once; wait() on the result before reusing the link
+    for the next object if the receiver must see them in order."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    return [link.send([size], dst, 0), link.send([payload], dst, 1), (size, payload)]  # keep the buffers alive
-
-
-def wait_sent(pending: list) -> None:
-    for work in pending[:2]:
-        work.wait()
+    return PendingSend([link.send([size], dst, 0), link.send([payload], dst, 1)], (size, payload))
 
 
 def recv_object(link, src: int):
@@ -152,16 +161,25 @@ def plan_buckets(sizes_bytes: list[int], limit_bytes: int) -> list[list[int]]:
     return buckets + ([current] if current else [])
 
 
-def send_header(placement: Placement, version: int, stop: bool, device: torch.device) -> None:
+def send_header(placement: Placement, version: int, device: torch.device) -> None:
+    """Trainer 0: announces the version whose buckets follow (the receivers check it against their schedule)."""
     if placement.on_link:
-        header = torch.tensor([version, int(stop)], dtype=torch.int64, device=device)
-        placement.weights_link.broadcast(header, 0).wait()
+        placement.weights_link.broadcast(torch.tensor([version], dtype=torch.int64, device=device), 0).wait()
 
 
-def recv_header(placement: Placement, device: torch.device) -> tuple[int, bool]:
-    header = torch.zeros(2, dtype=torch.int64, device=device)
+def recv_header(placement: Placement, device: torch.device) -> int:
+    header = torch.zeros(1, dtype=torch.int64, device=device)
     placement.weights_link.broadcast(header, 0).wait()
-    return int(header[0]), bool(header[1])
+    return int(header.item())
+
+
+def check_shapes(trainer_shapes: list[tuple[str, torch.Size]], rollout_shapes: list[tuple[str, torch.Size]],
+                 rollout_rank: int) -> None:
+    """Trainer 0, once: the receivers split each bucket by their own list of shapes, so it must be the trainer's."""
+    if [(n, tuple(s)) for n, s in trainer_shapes] != [(n, tuple(s)) for n, s in rollout_shapes]:
+        mismatch = next(((a, b) for a, b in zip(trainer_shapes, rollout_shapes) if a != b),
+                        (len(trainer_shapes), len(rollout_shapes)))
+        raise ValueError(f"rollout rank {rollout_rank} expects other weights than the trainer sends: {mismatch}")
 
 
 @torch.no_grad()

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.split import (behaviour_version, eval_versions, plan_buckets, recv_object, recv_weights, send_object,
-                          staleness_metrics, tis_metrics, wait_sent, weight_versions)
+from common.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object, recv_weights,
+                          send_object, staleness_metrics, tis_metrics, weight_versions)
 from gloo import finish_gloo, free_port, init_gloo
 from test_grpo_e2e import torchrun
 
@@ -55,6 +55,15 @@ def test_truncated_importance_weights_by_hand():
     assert stats["tis_ratio_max"] == pytest.approx(4.0, rel=1e-6)
 
 
+def test_mismatched_weight_lists_are_caught():
+    shapes = [("a", torch.Size([3, 2])), ("b", torch.Size([5]))]
+    check_shapes(shapes, list(shapes), 0)
+    with pytest.raises(ValueError, match="rollout rank 1 expects other weights"):
+        check_shapes(shapes, [("a", torch.Size([2, 3])), ("b", torch.Size([5]))], 1)
+    with pytest.raises(ValueError, match="rollout rank 0"):
+        check_shapes(shapes, shapes[:1], 0)
+
+
 def test_buckets_close_before_the_limit():
     assert plan_buckets([4, 4, 4], 8) == [[0, 1], [2]]
     assert plan_buckets([10, 2, 2, 9], 8) == [[0], [1, 2], [3]]  # a tensor over the limit goes alone
@@ -72,21 +81,21 @@ def _link_worker(rank: int, port: int, out_dir: str):
     if rank == 0:
         messages = [recv_object(link, 1), recv_object(link, 2)]
         tensors = [("a", torch.arange(6.0).view(3, 2)), ("b", torch.ones(5)), ("c", -torch.eye(2))]
-        send_header(placement, 7, False, cpu)
+        send_header(placement, 7, cpu)
         sent = send_weights(placement, iter(tensors), shapes, torch.float32, bucket_mb=0, device=cpu)
         out = dict(messages=messages, sent=sent)
     else:
         # The rollout side sends first and receives before its send has completed, as the async loop does.
         pending = send_object(link, {"from": rank, "samples": list(range(rank * 3))}, 0)
-        version, stop = recv_header(placement, cpu)
+        version = recv_header(placement, cpu)
         got, buckets = {}, []
 
         def load(bucket):
             buckets.append([name for name, _ in bucket])
             got.update({name: t.clone() for name, t in bucket})
         recv_weights(placement, shapes, torch.float32, bucket_mb=0, device=cpu, load=load)
-        wait_sent(pending)
-        out = dict(version=version, stop=stop, got=got, buckets=buckets)
+        pending.wait()
+        out = dict(version=version, got=got, buckets=buckets)
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finish_gloo()
 
@@ -98,7 +107,7 @@ def test_link_carries_objects_in_and_weights_out(tmp_path):
     assert trainer["sent"] == (6 + 5 + 4) * 4
     for rank in (1, 2):
         rollout = torch.load(tmp_path / f"{rank}.pt")
-        assert rollout["version"] == 7 and not rollout["stop"]
+        assert rollout["version"] == 7
         assert rollout["buckets"] == [["a"], ["b"], ["c"]]  # a zero-MB limit: one tensor per bucket
         torch.testing.assert_close(rollout["got"]["a"], torch.arange(6.0).view(3, 2))
         torch.testing.assert_close(rollout["got"]["b"], torch.ones(5))
@@ -145,3 +154,32 @@ def test_async_split_learns_the_builtin_task(tmp_path):
     # One update behind: the behaviour log-probs differ from the trainer's, and the weights average about 1.
     assert sum(r["rollout/logprob_diff"] for r in steps[1:]) / (len(steps) - 1) > 1e-3
     assert all(0.5 < r["tis/weight_mean"] <= 2.0 and 0 <= r["tis/capped_frac"] < 0.5 for r in steps)
+
+
+def test_staleness_two_resume_and_switching_placement(tmp_path):
+    """Two batches in flight (no deadlock, staleness up to 2), every evaluation logged with its version, a resumed
+    split run, one resumed at its end, and a split checkpoint resumed colocated."""
+    out = tmp_path / "run"
+    common = ["--rollout-ranks", "1", "--async-rollout", "--max-staleness", "2", "--eval-every", "3",
+              "--eval-size", "32", "--save-state-every", "3", "--output-dir", str(out)]
+    result = torchrun([*common, "--steps", "6"], tmp_path, nproc=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["rollout/staleness_max"] for r in steps] == [0, 1, 2, 2, 2, 2]
+    assert [r["eval/version"] for r in rows if "eval/version" in r] == [0, 3, 6]
+
+    result = torchrun([*common, "--steps", "9"], tmp_path, nproc=3)  # resumes from state_000006
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout + result.stderr
+    rows = read_metrics(out / "metrics.jsonl")
+    resumed = [r for r in rows if "reward/mean" in r][6:]
+    assert [r["step"] for r in resumed] == [7, 8, 9]
+    assert [r["rollout/staleness_max"] for r in resumed] == [0, 1, 2]  # nothing older than the checkpoint
+    assert [r["eval/version"] for r in rows if "eval/version" in r] == [0, 3, 6, 9]
+
+    result = torchrun([*common, "--steps", "9"], tmp_path, nproc=3)  # already there: nothing to do
+    assert result.returncode == 0 and "nothing to do" in result.stdout + result.stderr, result.stderr[-3000:]
+    result = torchrun(["--steps", "10", "--eval-every", "0", "--eval-size", "32", "--output-dir", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]  # colocated, from the split run's state_000009
+    assert "resumed from" in result.stdout + result.stderr
