@@ -87,9 +87,9 @@ RESUMABLE = ["--steps", "12", "--prompts-per-step", "8", "--group-size", "4", "-
              "--reward-fn", "hash_reward.py:reward"]
 
 
-def launch(args: list[str], cwd) -> subprocess.Popen:
+def launch(args: list[str], cwd, nproc: int = 2) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            os.path.join(ROOT, "grpo.py"), *args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import signal
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from common.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object, recv_weights,
                           send_object, staleness_metrics, tis_metrics, weight_versions)
 from gloo import finish_gloo, free_port, init_gloo
-from test_grpo_e2e import torchrun
+from test_grpo_e2e import launch, torchrun, wait_for
 
 
 def test_behaviour_versions_lag_by_the_staleness():
@@ -183,3 +184,23 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
     result = torchrun(["--steps", "10", "--eval-every", "0", "--eval-size", "32", "--output-dir", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]  # colocated, from the split run's state_000009
     assert "resumed from" in result.stdout + result.stderr
+
+
+def test_sigterm_in_split_placement_saves_the_trainers_state(tmp_path):
+    """torchrun passes SIGTERM to every rank: the rollout ranks end, the trainers finish their step, skip the
+    weight push and save; the same command continues from there."""
+    from common.resume import latest_checkpoint, read_trainer_state
+    out = tmp_path / "run"
+    args = ["--rollout-ranks", "1", "--async-rollout", "--save-state-every", "0", "--eval-every", "0",
+            "--eval-size", "32", "--output-dir", str(out)]
+    proc = launch([*args, "--steps", "500"], tmp_path, nproc=3)
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4,
+             proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert "saved the training state" in output, output[-3000:]
+    step = read_trainer_state(latest_checkpoint(str(out)))["step"]
+    assert 3 <= step < 500
+    result = torchrun([*args, "--steps", str(step + 2)], tmp_path, nproc=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {step}" in result.stdout + result.stderr
