@@ -37,7 +37,8 @@ from common.batching import (batching_metrics, equalize_micro_batches, mfu, pack
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
 from common.distributed import all_reduce_sum, init_distributed, max_over_ranks, quiet_libraries, raise_on_all_ranks
 from common.logger import Logger, StageTimer
-from common.model import checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model
+from common.model import (checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model,
+                          stop_token_ids)
 from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, load_training_state,
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.rewards import compute_rewards, load_reward_fn
@@ -502,7 +503,7 @@ def main():
             reward_timeouts[0] += timed_out
             return 0.0 if timed_out else value
     # Rollout engines see only token ids and stop at EOS.
-    stop_ids = sorted({tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_stop_ids", [])))
+    stop_ids = stop_token_ids(args.model, tokenizer)
     if not training:
         return rollout_worker(args, placement, device, tokenizer, train_rows, eval_rows, reward_fn, reward_timeouts,
                               stop_ids, output_dir, start_step)

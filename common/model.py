@@ -6,7 +6,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 
 def load_tokenizer(model: str | None):
@@ -18,6 +18,19 @@ def load_tokenizer(model: str | None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def stop_token_ids(model: str | None, tokenizer) -> list[int]:
+    """Tokens that end a response: the tokenizer's EOS and every EOS the checkpoint's generation_config.json lists
+    (chat models end a turn with their own token, e.g. Qwen2.5-Instruct's <|im_end|> besides <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    if model is not None:
+        try:
+            eos = GenerationConfig.from_pretrained(model).eos_token_id
+        except OSError:  # the checkpoint has no generation_config.json
+            eos = None
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)
 
 
 def load_model(model: str | None, tokenizer, seed: int) -> torch.nn.Module:

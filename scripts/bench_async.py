@@ -9,6 +9,8 @@ step time, generation and training seconds, the throughput ratio, and for split 
 max(generation, training) / step time (1.0: the step is as long as its longer phase, perfect overlap).
 
     python scripts/bench_async.py --gpus 2 --shape 0.5b --out benchmarks/results/async_0.5b_2gpu.json
+
+The 2026-11-21 result in benchmarks/README.md predates --stop-every: it ran --stop-every 0 --response-len 512.
 """
 
 import argparse
@@ -50,7 +52,10 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--response-len", type=int, default=512)
+    parser.add_argument("--response-len", type=int, default=2048, help="the cap on response lengths")
+    parser.add_argument("--stop-every", type=int, default=300,
+                        help="random_model.py --stop-every: responses end after ~N tokens (geometric, long-tailed); "
+                             "0: every response runs to --response-len")
     parser.add_argument("--eval-size", type=int, default=32)
     parser.add_argument("--work", default="/tmp/nanorl_bench_async")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per grpo.py run")
@@ -61,7 +66,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     (work / "reward.py").write_text(REWARD)
     subprocess.run([sys.executable, str(ROOT / "scripts/random_model.py"), "--shape", args.shape, "--out",
-                    str(work / "model")], check=True)
+                    str(work / "model"), "--stop-every", str(args.stop_every)], check=True)
     colocated = run("colocated", args.gpus, ["--rollout-gpu-memory", "0.4"], args, work)
     split = run("split_async", args.gpus, ["--rollout-ranks", str(args.gpus // 2), "--async-rollout",
                                            "--rollout-gpu-memory", "0.85"], args, work)
@@ -70,7 +75,8 @@ def main():
     train_keys = ("time/logprobs", "time/update")
     result = {
         "shape": args.shape, "gpus": args.gpus, "steps_measured": len(split), "prompts": args.prompts,
-        "group_size": args.group_size, "response_len": args.response_len,
+        "group_size": args.group_size, "response_len": args.response_len, "stop_every": args.stop_every,
+        "response_len_mean": statistics.mean(r["response/length_mean"] for r in split),
         "colocated": {"step_s": median(colocated, "time/step"), "generate_s": median(colocated, "time/rollout"),
                       "reward_s": median(colocated, "time/reward"), "train_s": median(colocated, *train_keys),
                       "sync_s": median(colocated, "time/sync")},

@@ -41,13 +41,19 @@ def full_vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
-def save_random_model(shape: str, out: str) -> None:
+def save_random_model(shape: str, out: str, stop_every: int = 0) -> None:
+    """stop_every N > 0: generation_config lists one filler token in N as an end-of-sequence token besides <eos>.
+    A random model samples about uniformly, so its responses then end after about N tokens: geometric lengths,
+    a long tail up to --max-response-len, as RL rollouts have."""
     config = qwen2_config(shape)
     tokenizer = full_vocab_tokenizer(config.vocab_size)
     config.eos_token_id, config.pad_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if stop_every:
+        fillers = sorted(i for word, i in tokenizer.get_vocab().items() if word == f"w{i}")
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *fillers[::stop_every]]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -56,5 +62,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--out", required=True, help="directory to write")
+    parser.add_argument("--stop-every", type=int, default=0,
+                        help="make one token in N a stop token: responses of about N tokens, long-tailed (0: off)")
     args = parser.parse_args()
-    save_random_model(args.shape, args.out)
+    save_random_model(args.shape, args.out, args.stop_every)

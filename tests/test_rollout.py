@@ -50,3 +50,16 @@ def test_rollout_is_seeded_and_greedy_is_deterministic():
     ids = torch.tensor([prompts[0] + greedy[0][0].response_ids])
     logits = model(ids).logits[0, len(prompts[0]) - 1:-1]
     assert logits.argmax(-1).tolist() == greedy[0][0].response_ids[:len(logits)]
+
+
+def test_stop_tokens_include_the_generation_configs(tmp_path):
+    from transformers import GenerationConfig
+
+    from common.model import load_tokenizer, stop_token_ids
+    tokenizer = load_tokenizer(None)
+    assert stop_token_ids(None, tokenizer) == [tokenizer.eos_token_id]
+    assert stop_token_ids(str(tmp_path), tokenizer) == [tokenizer.eos_token_id]  # no generation_config.json
+    GenerationConfig(eos_token_id=[7, tokenizer.eos_token_id, 3]).save_pretrained(tmp_path)
+    assert stop_token_ids(str(tmp_path), tokenizer) == sorted({3, 7, tokenizer.eos_token_id})
+    GenerationConfig(eos_token_id=9).save_pretrained(tmp_path)
+    assert stop_token_ids(str(tmp_path), tokenizer) == sorted({9, tokenizer.eos_token_id})
