@@ -43,9 +43,9 @@ from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.rewards import compute_rewards, load_reward_fn
 from common.rollout import make_rollout_engine, resolve_engine_kind
-from common.split import (behaviour_version, check_shapes, eval_versions, init_split, load_into_module, recv_header,
-                          recv_object, recv_weights, send_header, send_object, send_weights, staleness_metrics,
-                          tis_metrics, weight_versions)
+from common.split import (behaviour_version, check_shapes, close_link, eval_versions, init_split, load_into_module,
+                          recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
+                          staleness_metrics, tis_metrics, weight_versions)
 from sharding.checkpoint import save_hf_checkpoint
 from sharding.vllm_sync import trainer_weights, weight_shapes
 
@@ -449,6 +449,7 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
     send({"step": None, "samples": [], "reward_timeouts": 0})
     while pending:
         pending.popleft().wait()
+    close_link(placement)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -683,6 +684,7 @@ def main():
             metrics.update(push_weights(step))
         if placement and step == args.steps:  # the evaluations of the last versions, before the last save
             log_evals(step, receive_batch(None)["evals"], metrics)
+            close_link(placement)
 
         # 6. Log: sums over ranks, then means.
         lengths = sample_lengths(samples)

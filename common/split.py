@@ -75,6 +75,14 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
     return placement, device
 
 
+def close_link(placement: Placement) -> None:
+    """Collective over the link, at the end of a run: its members meet, then drop their groups together (a gloo
+    group torn down at interpreter exit while its peer is already gone can abort the process)."""
+    if placement.on_link:
+        placement.samples_link.allreduce([torch.zeros(1)]).wait()
+        placement.samples_link = placement.weights_link = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Versions and staleness: the schedule both sides follow.
 
