@@ -35,7 +35,8 @@ from common.batching import (batching_metrics, equalize_micro_batches, mfu, pack
                              packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
                              use_packed_attention)
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
-from common.distributed import all_reduce_sum, init_distributed, max_over_ranks, quiet_libraries, raise_on_all_ranks
+from common.distributed import (all_reduce_sum, finish_distributed, init_distributed, max_over_ranks, quiet_libraries,
+                                raise_on_all_ranks)
 from common.logger import Logger, StageTimer
 from common.model import (checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model,
                           stop_token_ids)
@@ -382,8 +383,7 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
     """
     staleness = args.max_staleness if args.async_rollout else 0
     if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
-        dist.destroy_process_group()
-        return
+        return finish_distributed(exit_process=True)
     model_dir = save_model_config(args.model, tokenizer, os.path.join(output_dir, f"model_config_rollout{placement.rank}"))
     if args.rollout_engine == "vllm":
         engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
@@ -450,8 +450,7 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
     while pending:
         pending.popleft().wait()
     close_link(placement)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed(exit_process=True)
 
 
 @record  # a failing rank's traceback goes into torchrun's summary
@@ -741,9 +740,7 @@ def main():
             logger.print(f"{preemption.received or 'a signal on another rank'}: saved the training state at step "
                          f"{step}; run the same command again to continue")
             logger.close()
-            dist.barrier()
-            dist.destroy_process_group()
-            return
+            return finish_distributed(exit_process=placement is not None)
 
     if start_step >= args.steps:
         logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
@@ -752,8 +749,7 @@ def main():
                  f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                  f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
     logger.close()
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    dist.destroy_process_group()
+    finish_distributed(exit_process=placement is not None)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ and raised everywhere with the failing rank's message.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,21 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def finish_distributed(exit_process: bool = False) -> None:
+    """Collective, at the end of a run (everything saved and logged): every rank leaves its world together.
+
+    exit_process: end the process right here. Split placement does (grpo.py --rollout-ranks): a CPU run once
+    aborted at interpreter exit on a trainer rank (SIGABRT from a background thread of torch.distributed, the
+    failure tests/gloo.py describes), which made torchrun report the finished run as failed.
+    """
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
+    if exit_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def quiet_libraries() -> None:

@@ -118,6 +118,13 @@ def test_link_carries_objects_in_and_weights_out(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # grpo.py end to end.
 
+def failure(result) -> str:
+    """Where a failed run went wrong: the first fatal error or traceback in its output (else its end)."""
+    text = result.stdout + result.stderr
+    starts = [text.find(m) for m in ("Fatal Python error", "terminate called", "Traceback") if m in text]
+    return text[min(starts):][:4000] if starts else text[-3000:]
+
+
 def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
@@ -128,7 +135,7 @@ def test_split_placement_syncs_exact_weights(tmp_path):
     out = tmp_path / "run"
     result = torchrun(["--rollout-ranks", "2", "--steps", "4", "--eval-every", "2", "--eval-size", "32",
                        "--output-dir", str(out)], tmp_path, nproc=4)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -144,7 +151,7 @@ def test_async_split_learns_the_builtin_task(tmp_path):
     out = tmp_path / "run"
     result = torchrun(["--rollout-ranks", "1", "--async-rollout", "--output-dir", str(out)], tmp_path, nproc=3,
                       timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     match = re.search(r"held-out greedy accuracy: ([\d.]+) before training -> ([\d.]+) after",
                       result.stdout + result.stderr)
     before, after = float(match.group(1)), float(match.group(2))
@@ -164,14 +171,14 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
     common = ["--rollout-ranks", "1", "--async-rollout", "--max-staleness", "2", "--eval-every", "3",
               "--eval-size", "32", "--save-state-every", "3", "--output-dir", str(out)]
     result = torchrun([*common, "--steps", "6"], tmp_path, nproc=3)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["rollout/staleness_max"] for r in steps] == [0, 1, 2, 2, 2, 2]
     assert [r["eval/version"] for r in rows if "eval/version" in r] == [0, 3, 6]
 
     result = torchrun([*common, "--steps", "9"], tmp_path, nproc=3)  # resumes from state_000006
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     assert "resumed from" in result.stdout + result.stderr
     rows = read_metrics(out / "metrics.jsonl")
     resumed = [r for r in rows if "reward/mean" in r][6:]
@@ -180,9 +187,9 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
     assert [r["eval/version"] for r in rows if "eval/version" in r] == [0, 3, 6, 9]
 
     result = torchrun([*common, "--steps", "9"], tmp_path, nproc=3)  # already there: nothing to do
-    assert result.returncode == 0 and "nothing to do" in result.stdout + result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0 and "nothing to do" in result.stdout + result.stderr, failure(result)
     result = torchrun(["--steps", "10", "--eval-every", "0", "--eval-size", "32", "--output-dir", str(out)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]  # colocated, from the split run's state_000009
+    assert result.returncode == 0, failure(result)  # colocated, from the split run's state_000009
     assert "resumed from" in result.stdout + result.stderr
 
 
@@ -202,5 +209,5 @@ def test_sigterm_in_split_placement_saves_the_trainers_state(tmp_path):
     step = read_trainer_state(latest_checkpoint(str(out)))["step"]
     assert 3 <= step < 500
     result = torchrun([*args, "--steps", str(step + 2)], tmp_path, nproc=3)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     assert f"at step {step}" in result.stdout + result.stderr
