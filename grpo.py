@@ -573,7 +573,7 @@ def main():
     def push_weights(version: int) -> dict[str, float]:
         send_header(placement, version, device)
         with timer("sync"):  # includes waiting for the rollout ranks to take it (when they are still generating)
-            num_bytes = send_weights(placement, trainer_weights(policy, None, link_dtype), shapes, link_dtype,
+            num_bytes = send_weights(placement, trainer_weights(policy, None, link_dtype), link_dtype,
                                      args.sync_bucket_mb, device)
         return {"sync/gb": num_bytes / 1e9} if placement.on_link else {}
 

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sharding.vllm_sync import buckets, hf_name, num_bytes
+
 
 @dataclass
 class Placement:
@@ -158,15 +160,8 @@ def recv_object(link, src: int):
 # Weights: trainer 0 broadcasts each version to the rollout ranks in buckets.
 
 def plan_buckets(sizes_bytes: list[int], limit_bytes: int) -> list[list[int]]:
-    """Consecutive tensors grouped until the next would take a bucket past the limit (a bigger one goes alone)."""
-    buckets, current, current_bytes = [], [], 0
-    for i, size in enumerate(sizes_bytes):
-        if current and current_bytes + size > limit_bytes:
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += size
-    return buckets + ([current] if current else [])
+    """The indices of the tensors in each bucket, as the sender's stream groups them (sharding.vllm_sync.buckets)."""
+    return list(buckets(range(len(sizes_bytes)), sizes_bytes.__getitem__, limit_bytes))
 
 
 def send_header(placement: Placement, version: int, device: torch.device) -> None:
@@ -191,20 +186,16 @@ def check_shapes(trainer_shapes: list[tuple[str, torch.Size]], rollout_shapes: l
 
 
 @torch.no_grad()
-def send_weights(placement: Placement, named_tensors, shapes: list[tuple[str, torch.Size]], dtype: torch.dtype,
-                 bucket_mb: int, device: torch.device) -> int:
-    """Trainers (all of them: `named_tensors` gathers each full tensor collectively); trainer 0 broadcasts.
-    Returns the bytes sent."""
-    element = torch.empty((), dtype=dtype).element_size()
-    buckets = plan_buckets([s.numel() * element for _, s in shapes], bucket_mb * 2**20)
-    tensors = iter(named_tensors)
+def send_weights(placement: Placement, named_tensors, dtype: torch.dtype, bucket_mb: int,
+                 device: torch.device) -> int:
+    """Trainers (all of them: `named_tensors` gathers each full tensor collectively); trainer 0 broadcasts each
+    bucket as one flat tensor. Returns the bytes sent."""
     total = 0
-    for bucket in buckets:
-        parts = [next(tensors)[1].to(dtype).flatten() for _ in bucket]
+    for bucket in buckets((tensor.to(dtype).flatten() for _, tensor in named_tensors), num_bytes, bucket_mb * 2**20):
         if placement.on_link:
-            flat = torch.cat(parts).to(device)
+            flat = torch.cat(bucket).to(device)
             placement.weights_link.broadcast(flat, 0).wait()
-            total += flat.numel() * element
+            total += num_bytes(flat)
     return total
 
 
@@ -227,7 +218,6 @@ def recv_weights(placement: Placement, shapes: list[tuple[str, torch.Size]], dty
 
 def load_into_module(module: torch.nn.Module):
     """A `load` for recv_weights that copies into a plain (unsharded) model's parameters by checkpoint name."""
-    from sharding.vllm_sync import hf_name
     params = {hf_name(name): p for name, p in module.named_parameters()}
 
     def load(bucket):

@@ -62,6 +62,26 @@ def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, 
         yield name, full_tensor(param, dtype)
 
 
+def buckets(items, size_of, limit_bytes: int):
+    """Yields consecutive `items` in lists whose sizes (size_of(item), bytes) stay within limit_bytes; an item
+    bigger than that goes alone. Lazy: a bucket is handed over once the next item would overflow it, so the caller
+    holds at most one bucket and one item (a weight stream never gathers a whole state dict)."""
+    bucket, bucket_bytes = [], 0
+    for item in items:
+        size = size_of(item)
+        if bucket and bucket_bytes + size > limit_bytes:
+            yield bucket
+            bucket, bucket_bytes = [], 0
+        bucket.append(item)
+        bucket_bytes += size
+    if bucket:
+        yield bucket
+
+
+def num_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 @torch.no_grad()
 def sync_weights_to_vllm(model: torch.nn.Module, vllm_model: torch.nn.Module, bucket_mb: int,
                          dtype: torch.dtype = torch.bfloat16) -> int:
@@ -70,18 +90,11 @@ def sync_weights_to_vllm(model: torch.nn.Module, vllm_model: torch.nn.Module, bu
     A bucket is loaded once adding the next tensor would take it past `bucket_mb` (a tensor bigger than that,
     like a large embedding, goes alone). Fewer, larger `load_weights` calls amortise vLLM's Python overhead.
     """
-    limit = bucket_mb * 2**20
-    bucket, bucket_bytes, total_bytes = [], 0, 0
-    for name, tensor in trainer_weights(model, vllm_model, dtype):
-        num_bytes = tensor.numel() * tensor.element_size()
-        if bucket and bucket_bytes + num_bytes > limit:
-            vllm_model.load_weights(bucket)
-            bucket, bucket_bytes = [], 0
-        bucket.append((name, tensor))
-        bucket_bytes += num_bytes
-        total_bytes += num_bytes
-    if bucket:
+    total_bytes = 0
+    for bucket in buckets(trainer_weights(model, vllm_model, dtype), lambda item: num_bytes(item[1]),
+                          bucket_mb * 2**20):
         vllm_model.load_weights(bucket)
+        total_bytes += sum(num_bytes(tensor) for _, tensor in bucket)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copies into vLLM's weights are asynchronous; the caller times the sync
     return total_bytes

@@ -71,6 +71,32 @@ def test_buckets_close_before_the_limit():
     assert plan_buckets([], 8) == []
 
 
+def test_colocated_sync_streams_the_same_buckets():
+    """sync_weights_to_vllm (colocated) and the split link's receivers group the weights by one rule."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sharding.vllm_sync import sync_weights_to_vllm, weight_shapes
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                         tie_word_embeddings=True))
+    loaded = []
+    receiver = SimpleNamespace(config=model.config, load_weights=lambda bucket: loaded.append(list(bucket)))
+    limit_mb = 0.01  # about 10 kB: several buckets, and the 6.4 kB embedding alone
+    total = sync_weights_to_vllm(model, receiver, bucket_mb=limit_mb, dtype=torch.bfloat16)
+    shapes = weight_shapes(model)
+    expected = plan_buckets([size.numel() * 2 for _, size in shapes], limit_mb * 2**20)
+    names = [name for name, _ in shapes]
+    assert [[name for name, _ in bucket] for bucket in loaded] == [[names[i] for i in b] for b in expected]
+    assert len(expected) > 2 and total == sum(size.numel() * 2 for _, size in shapes)
+    params = dict(model.named_parameters())
+    for bucket in loaded:
+        for name, tensor in bucket:
+            assert torch.equal(tensor, params[name].detach().to(torch.bfloat16))
+
+
 def _link_worker(rank: int, port: int, out_dir: str):
     """Link rank 0 is the trainer, 1 and 2 rollout ranks: objects flow in, weights flow out in buckets."""
     from common.split import Placement, recv_header, send_header, send_weights
@@ -83,7 +109,7 @@ def _link_worker(rank: int, port: int, out_dir: str):
         messages = [recv_object(link, 1), recv_object(link, 2)]
         tensors = [("a", torch.arange(6.0).view(3, 2)), ("b", torch.ones(5)), ("c", -torch.eye(2))]
         send_header(placement, 7, cpu)
-        sent = send_weights(placement, iter(tensors), shapes, torch.float32, bucket_mb=0, device=cpu)
+        sent = send_weights(placement, iter(tensors), torch.float32, bucket_mb=0, device=cpu)
         out = dict(messages=messages, sent=sent)
     else:
         # The rollout side sends first and receives before its send has completed, as the async loop does.
