@@ -6,6 +6,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from common.distributed import finish_distributed
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,7 +24,5 @@ def init_gloo(rank: int, world: int, port: int) -> None:
 def finish_gloo() -> None:
     """Ends a spawned rank. gloo aborts a rank whose peer tears down first, and a background C++ thread can abort
     the interpreter's shutdown ("terminate called without an active exception"): so barrier, destroy, and leave
-    with os._exit once every result is written."""
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    with os._exit once every result is written (what split-placement runs of grpo.py do too)."""
+    finish_distributed(exit_process=True)

@@ -258,6 +258,7 @@ TRAIN_STUB = """
 import os, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from common.distributed import finish_distributed
 from common.resume import PreemptionFlag, load_training_state, resolve_resume, save_training_state
 
 output_dir, max_steps = sys.argv[1], int(sys.argv[2])
@@ -281,9 +282,7 @@ while step < max_steps and not flag.should_stop(torch.device("cpu")):
     time.sleep(0.05)
 save_training_state(output_dir, step, model, optimizer, None, None, {"signal": flag.received})
 print(f"rank {rank} saved step {step}, signal {flag.received}", flush=True)
-dist.barrier()
-dist.destroy_process_group()
-os._exit(0)  # see tests/gloo.py: finish_gloo (a gloo thread can abort the interpreter's shutdown under load)
+finish_distributed(exit_process=True)  # a gloo thread can abort the interpreter's shutdown under load
 """
 
 
