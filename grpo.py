@@ -688,7 +688,8 @@ def main():
         # 6. Log: sums over ranks, then means.
         lengths = sample_lengths(samples)
         metrics.update(batching_metrics(plan_equal_micro_batches(samples, budget, device), lengths, device))
-        tis = tis_metrics([s["old_logprobs"] for s in samples], [s["logprobs"] for s in samples], args.tis_cap or 1.0)
+        tis = (tis_metrics([s["old_logprobs"] for s in samples], [s["logprobs"] for s in samples], args.tis_cap)
+               if args.tis_cap is not None else tis_metrics([], [], 0.0))  # zeros: nothing to report
         sums = all_reduce_sum(rollout_sums + [lag["staleness_sum"], tis["tis_weight_sum"], tis["tis_capped"]] + [
             sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples), sum(lengths),
             stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"], stats["tokens"], stats["grad_norm"],
