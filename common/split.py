@@ -78,11 +78,11 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
 
 
 def close_link(placement: Placement) -> None:
-    """Collective over the link, at the end of a run: its members meet, then drop their groups together (a gloo
-    group torn down at interpreter exit while its peer is already gone can abort the process)."""
+    """Collective over the link, at the end of a run: its members meet once more. The link's groups are left
+    alone, never destroyed: their C++ teardown racing with the peer's is a way for a gloo thread to abort the
+    process, and every split-placement process ends with os._exit (common.distributed.finish_distributed)."""
     if placement.on_link:
         placement.samples_link.allreduce([torch.zeros(1)]).wait()
-        placement.samples_link = placement.weights_link = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

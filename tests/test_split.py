@@ -147,6 +147,8 @@ def test_link_carries_objects_in_and_weights_out(tmp_path):
 def failure(result) -> str:
     """Where a failed run went wrong: the first fatal error or traceback in its output (else its end)."""
     text = result.stdout + result.stderr
+    with open(f"/tmp/nanorl_split_failure_{os.getpid()}_{len(text)}.log", "w") as f:  # the whole output, for diagnosis
+        f.write(text)
     starts = [text.find(m) for m in ("Fatal Python error", "terminate called", "Traceback") if m in text]
     return text[min(starts):][:4000] if starts else text[-3000:]
 
