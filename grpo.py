@@ -633,6 +633,8 @@ def main():
 
     for step in range(start_step + 1, args.steps + 1):
         step_start = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
         reward_timeouts[0] = 0
@@ -712,6 +714,8 @@ def main():
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
         metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})
+        if device.type == "cuda":  # what PyTorch allocated at most on one GPU this step (vLLM's pool included)
+            metrics["perf/peak_memory_gb"] = max_over_ranks(torch.cuda.max_memory_allocated(device) / 1e9, device)
         if placement:  # how many updates old the weights that generated this batch were
             metrics.update({"rollout/staleness_mean": staleness_sum / count,
                             "rollout/staleness_max": max_over_ranks(lag["staleness_max"], device)})

@@ -38,7 +38,8 @@ class StageTimer:
 CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "loss/kl": "kl", "policy/entropy": "ent",
                 "response/length_mean": "len", "rollout/logprob_diff": "lp_diff", "sync/gb_per_s": "sync_GB/s",
                 "batch/padding_frac": "pad", "perf/tokens_per_s": "tok/s", "perf/mfu": "mfu",
-                "rollout/staleness_mean": "stale", "tis/weight_mean": "tis", "eval/accuracy": "eval_acc"}
+                "perf/peak_memory_gb": "mem_GB", "rollout/staleness_mean": "stale", "tis/weight_mean": "tis",
+                "eval/accuracy": "eval_acc"}
 
 
 class Logger:

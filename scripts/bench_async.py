@@ -49,20 +49,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--shape", default="0.5b")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6, help="steps per run; 2 .. steps-1 are measured")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--response-len", type=int, default=2048, help="the cap on response lengths")
-    parser.add_argument("--stop-every", type=int, default=300,
+    parser.add_argument("--response-len", type=int, default=1024, help="the cap on response lengths")
+    parser.add_argument("--stop-every", type=int, default=200,
                         help="random_model.py --stop-every: responses end after ~N tokens (geometric, long-tailed); "
                              "0: every response runs to --response-len")
     parser.add_argument("--eval-size", type=int, default=32)
-    parser.add_argument("--work", default="/tmp/nanorl_bench_async")
+    parser.add_argument("--work", default=None, help="scratch folder (default: one per shape and GPU count)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per grpo.py run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    work = Path(args.work)
+    work = Path(args.work or f"/tmp/nanorl_bench_async_{args.shape}_{args.gpus}gpu")
     work.mkdir(parents=True, exist_ok=True)
     (work / "reward.py").write_text(REWARD)
     subprocess.run([sys.executable, str(ROOT / "scripts/random_model.py"), "--shape", args.shape, "--out",
@@ -77,6 +77,7 @@ def main():
         "shape": args.shape, "gpus": args.gpus, "steps_measured": len(split), "prompts": args.prompts,
         "group_size": args.group_size, "response_len": args.response_len, "stop_every": args.stop_every,
         "response_len_mean": statistics.mean(r["response/length_mean"] for r in split),
+        "response_truncated_frac": statistics.mean(r["response/truncated_frac"] for r in split),
         "colocated": {"step_s": median(colocated, "time/step"), "generate_s": median(colocated, "time/rollout"),
                       "reward_s": median(colocated, "time/reward"), "train_s": median(colocated, *train_keys),
                       "sync_s": median(colocated, "time/sync")},

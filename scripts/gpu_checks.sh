@@ -4,6 +4,8 @@
 #                                                        # 1-GPU weight-sync benches on GPU_B (both default 0)
 #   bash scripts/gpu_checks.sh two OUTDIR [GPUS]         # grpo TP=2 and TP=1 x 2 replicas, 2-GPU sync benches
 #   bash scripts/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
+#   bash scripts/gpu_checks.sh 7b OUTDIR GPUS TP         # grpo at the 7B shape, FSDP over GPUS, vLLM TP=TP: 10 steps
+#                                                        # with every sync checked, device memory sampled each second
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py).
 set -u
 mode=$1; out=$2; mkdir -p "$out"
@@ -16,7 +18,7 @@ def reward(prompt, completion, answer):
     return float(zlib.crc32(completion.encode()) % 2)
 PY
 model=/tmp/qwen0.5b_$mode  # one per mode: modes may run side by side on one machine
-python3 scripts/random_model.py --shape 0.5b --out $model || exit 1
+[ "$mode" = 7b ] || python3 scripts/random_model.py --shape 0.5b --out $model || exit 1
 GRPO="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none"
 
@@ -50,4 +52,16 @@ elif [ "$mode" = four ]; then
   for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
   sync 7b 4 $g
   run gpu_tests_batching 120 ${g%%,*} python3 -m pytest -m gpu tests/test_batching.py -q -rs -s -p no:cacheprovider
+elif [ "$mode" = 7b ]; then
+  g=$3; tp=$4; n=$(echo "$g" | tr , '\n' | wc -l); name=grpo_7b_${n}gpu_tp$tp
+  [ -d /tmp/qwen7b ] || python3 scripts/random_model.py --shape 7b --out /tmp/qwen7b || exit 1
+  # nvidia-smi sees vLLM's memory too; PyTorch's own peak is the run's perf/peak_memory_gb
+  nvidia-smi -i "$g" --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 \
+    > "$out/${name}_memory.csv" & smi=$!
+  run $name 540 $g torchrun --standalone --nproc_per_node "$n" grpo.py --model /tmp/qwen7b \
+    --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 10 --eval-every 0 --eval-size 32 \
+    --max-response-len 128 --prompts-per-step 32 --group-size 8 --check-weight-sync --rollout-engine vllm \
+    --rollout-eager --rollout-tp "$tp" --resume none --output-dir "${SCRATCH:-/tmp}/$name"
+  kill $smi; rm -rf "${SCRATCH:-/tmp}/$name"  # the 7B training state is about 90 GB
+  echo "$name device memory peak (MiB, per GPU):" $(sort -t, -k1,1n -k2,2n "$out/${name}_memory.csv" | awk -F, '{m[$1]=$2} END {for (i in m) printf "%s:%s ", i, m[i]}')
 fi
