@@ -31,9 +31,9 @@ import tyro
 from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common.batching import (batching_metrics, equalize_micro_batches, mfu, pack_sequences,
-                             packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches, share_samples_evenly,
-                             use_packed_attention)
+from common.batching import (TrainingMemoryPeak, batching_metrics, equalize_micro_batches, memory_in_use, mfu,
+                             pack_sequences, packed_token_logprobs, pad_rows, peak_flops, plan_micro_batches,
+                             share_samples_evenly, use_packed_attention)
 from common.data import PromptSampler, load_train_eval, tokenize_prompts
 from common.distributed import (all_reduce_sum, finish_distributed, init_distributed, max_over_ranks, quiet_libraries,
                                 raise_on_all_ranks)
@@ -633,8 +633,7 @@ def main():
 
     for step in range(start_step + 1, args.steps + 1):
         step_start = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        rollout_memory = 0  # bytes in use on this GPU while vLLM is awake (colocated)
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
         reward_timeouts[0] = 0
@@ -653,6 +652,8 @@ def main():
                 outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
                                           max_tokens=args.max_response_len, temperature=args.temperature,
                                           top_p=args.top_p, seed=args.seed * 1_000_003 + step)
+            if device.type == "cuda":
+                rollout_memory = memory_in_use(device)
             engine.sleep()
             # 2-3. Rewards (every rank scores its own samples; a failure anywhere stops every rank), advantages.
             with timer("reward"):
@@ -666,6 +667,7 @@ def main():
         samples, _ = share_samples_evenly(samples, sample_lengths(samples), world, rank)
 
         # 4. Log-probs of the sampled tokens under the current (old) policy and the reference.
+        training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
         with timer("logprobs"):
             budget = args.max_tokens_per_micro_batch
             for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
@@ -714,8 +716,8 @@ def main():
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
         metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})
-        if device.type == "cuda":  # what PyTorch allocated at most on one GPU this step (vLLM's pool included)
-            metrics["perf/peak_memory_gb"] = max_over_ranks(torch.cuda.max_memory_allocated(device) / 1e9, device)
+        if training_memory is not None:  # the step's peak on the fullest GPU: generating or training, all included
+            metrics["perf/peak_memory_gb"] = max_over_ranks(max(rollout_memory, training_memory.peak()) / 1e9, device)
         if placement:  # how many updates old the weights that generated this batch were
             metrics.update({"rollout/staleness_mean": staleness_sum / count,
                             "rollout/staleness_max": max_over_ranks(lag["staleness_max"], device)})
@@ -724,7 +726,7 @@ def main():
                             "tis/capped_frac": tis_capped / max(response_tokens, 1),
                             "tis/ratio_max": max_over_ranks(tis["tis_ratio_max"], device)})
         bad_steps.record(skipped > 0, step)  # raises on every rank after --max-bad-steps in a row
-        train_mfu = mfu(num_params, total_tokens * args.epochs, update_seconds, peak)
+        train_mfu = mfu(num_params, total_tokens * args.epochs, update_seconds, peak, num_gpus=world)
         if train_mfu is not None:
             metrics["perf/mfu"] = train_mfu
         metrics.update(timer.pop())

@@ -340,12 +340,32 @@ def peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def mfu(num_params: int, tokens: float, seconds: float, peak: float | None) -> float | None:
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use on the GPU, as nvidia-smi counts them: every allocator and process (vLLM, CUDA contexts)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+class TrainingMemoryPeak:
+    """The GPU memory in use at the peak of a phase in which only PyTorch allocates (training: vLLM sleeps): what
+    was in use when the phase began plus the most PyTorch's caching allocator grew during it. PyTorch's own peak
+    counters alone mislead here, as they also count the memory of a sleeping vLLM engine, which is not mapped."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.start = device, memory_in_use(device)
+        self.reserved = torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def peak(self) -> int:
+        return self.start + torch.cuda.max_memory_reserved(self.device) - self.reserved
+
+
+def mfu(num_params: int, tokens: float, seconds: float, peak: float | None, num_gpus: int = 1) -> float | None:
     """Model FLOPs utilisation: 6 x parameters x tokens (forward + backward matmuls, no attention) / time / peak.
-    Pass tokens summed over all ranks and the peak of all GPUs together."""
+    tokens: processed by num_gpus GPUs together in `seconds`; peak: one GPU's bf16 FLOP/s (peak_flops)."""
     if peak is None or seconds <= 0:
         return None
-    return 6 * num_params * tokens / seconds / peak
+    return 6 * num_params * tokens / seconds / (peak * num_gpus)
 
 
 def batching_metrics(micro_batches: list[list[int]], lengths: list[int], device: torch.device,

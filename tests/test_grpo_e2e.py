@@ -68,9 +68,9 @@ def test_custom_jsonl_dataset_and_reward(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_default_run_learns_the_builtin_task(tmp_path):
+def test_default_run_learns_the_builtin_task(builtin_sync_run):
     """The README's first command: from random weights, held-out greedy accuracy from below 0.2 to at least 0.8."""
-    result = torchrun(["--output-dir", str(tmp_path / "run")], tmp_path, timeout=600)
+    result, _ = builtin_sync_run
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"held-out greedy accuracy: ([\d.]+) before training -> ([\d.]+) after", result.stdout + result.stderr)
     before, after = float(match.group(1)), float(match.group(2))
