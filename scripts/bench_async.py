@@ -16,11 +16,12 @@ and its wait would land in the final step, which also saves.
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_sync import report  # same folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,10 +99,7 @@ def main():
     s = result["split_async"]
     s["overlap_efficiency"] = max(s["generate_s"] + s["reward_s"], s["train_s"]) / s["step_s"]
     result["split_over_colocated_throughput"] = result["colocated"]["step_s"] / s["step_s"]
-    print(json.dumps(result, indent=2))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    report(result, args.out)
 
 
 if __name__ == "__main__":
