@@ -40,9 +40,9 @@ from common.distributed import (all_reduce_sum, finish_distributed, init_distrib
 from common.logger import Logger, StageTimer
 from common.model import (checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model,
                           stop_token_ids)
-from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, load_training_state,
-                           prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
-from common.rewards import compute_rewards, load_reward_fn
+from common.resume import (BadStepCounter, PreemptionFlag, is_bad_number, load_training_state, prune_checkpoints,
+                           read_trainer_state, resolve_resume, save_training_state)
+from common.rewards import RewardScorer
 from common.rollout import make_rollout_engine, resolve_engine_kind
 from common.split import (behaviour_version, check_shapes, close_link, eval_versions, init_split, load_into_module,
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
@@ -70,6 +70,10 @@ class Args:
     """number of held-out prompts evaluated"""
     reward_fn: str | None = None
     """gsm8k, math, synthetic or path/to/file.py:function; unset: synthetic for the built-in task, else gsm8k"""
+    reward_workers: int | None = None
+    """processes per rank that score each prompt's responses as soon as they are generated, while the rest still
+    generate; 0: score after generation, in the rank's own process; unset: 2 with vLLM, 0 with hf (whose generate
+    returns every response at once)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
 
@@ -186,6 +190,8 @@ def check_args(args: Args, world: int) -> None:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
     if args.max_staleness < 1:
         raise ValueError("--max-staleness must be at least 1")
+    if args.reward_workers < 0:
+        raise ValueError("--reward-workers must be 0 (score in the rank's own process) or more")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
@@ -328,51 +334,61 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     return sums
 
 
-def score_responses(reward_fn, tokenizer, rows: list[dict], response_ids: list[list[int]]) -> list[float]:
-    """Collective: decodes and scores each response against its row's prompt and answer. A reward function that
-    fails on any rank stops every rank with its message (instead of leaving the others in a collective)."""
-    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
-    error, rewards = None, []
+def generate_and_score(engine, scorer: RewardScorer, tokenizer, rows: list[dict], **sampling) -> list[list]:
+    """engine.generate on the rows' prompts; each prompt's group goes to the scorer as soon as it is complete, so
+    with reward workers its scoring overlaps the generation of the others (collect_rewards gets the results)."""
+    def score(i: int, completions: list) -> None:
+        texts = [tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
+        scorer.submit(i, [rows[i]["prompt"]] * len(texts), texts, [rows[i]["answer"]] * len(texts))
+
+    return engine.generate([r["prompt_ids"] for r in rows], on_finish=score, **sampling)
+
+
+def collect_rewards(scorer: RewardScorer) -> tuple[list[list[float]], int]:
+    """Collective: the rewards of the groups generated since the last call, by prompt, and how many reward calls
+    timed out. A reward function that fails on any rank stops every rank with its message (instead of leaving the
+    others in a collective)."""
+    error, rewards, timeouts = None, [], 0
     try:
-        rewards = compute_rewards(reward_fn, [r["prompt"] for r in rows], texts, [r["answer"] for r in rows])
+        rewards, timeouts = scorer.collect()
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below
         error = e
     raise_on_all_ranks(error)
-    return rewards
+    return rewards, timeouts
 
 
-def build_samples(prompts: list[dict], outputs, reward_fn, tokenizer, args: Args, version: int) -> list[dict]:
+def build_samples(prompts: list[dict], outputs, scorer: RewardScorer, args: Args, version: int) -> tuple[list[dict], int]:
     """Collective (rewards): one dict per response with its reward, its advantage relative to its prompt's group,
-    a loss weight (0 for groups whose rewards are all equal: no signal) and the weight version that generated it."""
+    a loss weight (0 for groups whose rewards are all equal: no signal) and the weight version that generated it;
+    and the number of reward calls that timed out."""
     samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs,
                     finished=c.finished, version=version) for p, group in zip(prompts, outputs) for c in group]
-    rows = [p for p in prompts for _ in range(args.group_size)]
-    rewards = score_responses(reward_fn, tokenizer, rows, [s["response_ids"] for s in samples])
+    rewards, timeouts = collect_rewards(scorer)
     rewards = torch.tensor(rewards, dtype=torch.float32).view(len(prompts), args.group_size)
     advantages = group_advantages(rewards, args.scale_rewards)
     informative = (rewards.std(dim=1) > 0).repeat_interleave(args.group_size)
     for s, r, a, keep in zip(samples, rewards.flatten().tolist(), advantages.flatten().tolist(), informative.tolist()):
         s["reward"], s["advantage"], s["loss_weight"] = r, a, float(keep)
-    return samples
+    return samples, timeouts
 
 
-def evaluate(engine, eval_rows, reward_fn, tokenizer, args: Args, rank: int, world: int, device) -> dict[str, float]:
+def evaluate(engine, eval_rows, scorer, tokenizer, args: Args, rank: int, world: int, device) -> dict[str, float]:
     """Greedy pass@1 and mean reward on the held-out prompts, split evenly over ranks."""
     per_rank = -(-len(eval_rows) // world)
     mine = eval_rows[rank * per_rank:(rank + 1) * per_rank]
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     mine = mine + [eval_rows[0]] * (per_rank - len(mine))  # every rank generates the same number of prompts
-    outputs = engine.generate([r["prompt_ids"] for r in mine], n=1, max_tokens=args.max_response_len,
-                              temperature=1.0, top_p=1.0, seed=0, greedy=True)
-    rewards = score_responses(reward_fn, tokenizer, mine, [o[0].response_ids for o in outputs])
+    generate_and_score(engine, scorer, tokenizer, mine, n=1, max_tokens=args.max_response_len, temperature=1.0,
+                       top_p=1.0, seed=0, greedy=True)
+    rewards = [group[0] for group in collect_rewards(scorer)[0]]
     total, reward_sum, correct = all_reduce_sum(
         [sum(weights), sum(w * r for w, r in zip(weights, rewards)), sum(w * (r > 0) for w, r in zip(weights, rewards))],
         device)
     return {"eval/accuracy": correct / total, "eval/reward": reward_sum / total}
 
 
-def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_rows, reward_fn, reward_timeouts,
-                   stop_ids, output_dir: str, start_step: int) -> None:
+def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_rows, scorer, stop_ids,
+                   output_dir: str, start_step: int) -> None:
     """Split placement (--rollout-ranks), on a rollout rank: receive weights, generate, score, send; repeat.
 
     The trainers send the versions of `weight_versions`, and this side receives each one just before the first
@@ -383,6 +399,7 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
     """
     staleness = args.max_staleness if args.async_rollout else 0
     if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
+        scorer.close()
         return finish_distributed(exit_process=True)
     model_dir = save_model_config(args.model, tokenizer, os.path.join(output_dir, f"model_config_rollout{placement.rank}"))
     if args.rollout_engine == "vllm":
@@ -419,7 +436,7 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
             held = received
             if held in to_evaluate:
                 start = time.perf_counter()
-                evals[held] = evaluate(engine, eval_rows, reward_fn, tokenizer, args, placement.rank,
+                evals[held] = evaluate(engine, eval_rows, scorer, tokenizer, args, placement.rank,
                                        placement.world, device)
                 seconds["eval"] = seconds.get("eval", 0.0) + time.perf_counter() - start
 
@@ -436,20 +453,20 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
         receive_through(behaviour_version(step, start_step, staleness))
         prompts = sampler.next_batch()
         start = time.perf_counter()
-        outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
-                                  max_tokens=args.max_response_len, temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed * 1_000_003 + step)
+        outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
+                                     max_tokens=args.max_response_len, temperature=args.temperature,
+                                     top_p=args.top_p, seed=args.seed * 1_000_003 + step)
         seconds["generate"] = time.perf_counter() - start
-        reward_timeouts[0] = 0
-        start = time.perf_counter()
-        samples = build_samples(prompts, outputs, reward_fn, tokenizer, args, version=held)
+        start = time.perf_counter()  # what scoring adds after generation
+        samples, reward_timeouts = build_samples(prompts, outputs, scorer, args, version=held)
         seconds["reward"] = time.perf_counter() - start
-        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts[0]})
+        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts})
     receive_through(args.steps)  # the last versions (evaluation only)
     send({"step": None, "samples": [], "reward_timeouts": 0})
     while pending:
         pending.popleft().wait()
     close_link(placement)
+    scorer.close()
     finish_distributed(exit_process=True)
 
 
@@ -477,6 +494,8 @@ def main():
     if args.async_rollout and args.tis_cap is None:
         args.tis_cap = 2.0
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
+    if args.reward_workers is None:
+        args.reward_workers = 2 if args.rollout_engine == "vllm" else 0
     check_args(args, placement.num_trainers if placement else world)
     torch.manual_seed(args.seed)
 
@@ -493,20 +512,14 @@ def main():
                                             eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
     eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, args.max_prompt_len, args.chat_template)
-    reward_fn = load_reward_fn(args.reward_fn)
-    reward_timeouts = [0]  # this step's reward calls that ran out of time
-    if args.reward_timeout is not None:
-        unbounded_reward_fn = reward_fn
-
-        def reward_fn(prompt, completion, answer):
-            value, timed_out = call_with_timeout(unbounded_reward_fn, (prompt, completion, answer), args.reward_timeout)
-            reward_timeouts[0] += timed_out
-            return 0.0 if timed_out else value
+    # Reward processes only where responses are generated: not on the trainers of split placement.
+    scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers if placement is None or not training
+                          else 0)
     # Rollout engines see only token ids and stop at EOS.
     stop_ids = stop_token_ids(args.model, tokenizer)
     if not training:
-        return rollout_worker(args, placement, device, tokenizer, train_rows, eval_rows, reward_fn, reward_timeouts,
-                              stop_ids, output_dir, start_step)
+        return rollout_worker(args, placement, device, tokenizer, train_rows, eval_rows, scorer, stop_ids, output_dir,
+                              start_step)
 
     # Model, reference model, optimizer.
     policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
@@ -560,7 +573,7 @@ def main():
     def run_eval(step: int) -> dict[str, float]:
         sync_engine(step)
         with timer("eval"):
-            metrics = evaluate(engine, eval_rows, reward_fn, tokenizer, args, rank, world, device)
+            metrics = evaluate(engine, eval_rows, scorer, tokenizer, args, rank, world, device)
         engine.sleep()
         return metrics
 
@@ -636,28 +649,27 @@ def main():
         rollout_memory = 0  # bytes in use on this GPU while vLLM is awake (colocated)
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
-        reward_timeouts[0] = 0
         if placement:  # 1-3 happened on the rollout ranks: generation, rewards, advantages
             sampler.next_batch()  # the data position only
             with timer("rollout_wait"):
                 batch = receive_batch(step)
-            samples, reward_timeouts[0] = batch["samples"], batch["reward_timeouts"]
+            samples, reward_timeouts = batch["samples"], batch["reward_timeouts"]
             metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
             log_evals(step, batch["evals"], metrics)
         else:
             metrics = sync_engine(step - 1)
             # 1. Rollout: group_size responses per prompt.
             prompts = sampler.next_batch()
-            with timer("rollout"):
-                outputs = engine.generate([p["prompt_ids"] for p in prompts], n=args.group_size,
-                                          max_tokens=args.max_response_len, temperature=args.temperature,
-                                          top_p=args.top_p, seed=args.seed * 1_000_003 + step)
+            with timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
+                outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
+                                             max_tokens=args.max_response_len, temperature=args.temperature,
+                                             top_p=args.top_p, seed=args.seed * 1_000_003 + step)
             if device.type == "cuda":
                 rollout_memory = memory_in_use(device)
             engine.sleep()
             # 2-3. Rewards (every rank scores its own samples; a failure anywhere stops every rank), advantages.
-            with timer("reward"):
-                samples = build_samples(prompts, outputs, reward_fn, tokenizer, args, version=step - 1)
+            with timer("reward"):  # what scoring adds after generation
+                samples, reward_timeouts = build_samples(prompts, outputs, scorer, args, version=step - 1)
         rollout_sums = [sum(s["reward"] for s in samples), sum(s["reward"] > 0 for s in samples), len(samples),
                         sum(len(s["response_ids"]) for s in samples), sum(not s["finished"] for s in samples),
                         sum(s["loss_weight"] > 0 for s in samples)]
@@ -697,7 +709,7 @@ def main():
         sums = all_reduce_sum(rollout_sums + [lag["staleness_sum"], tis["tis_weight_sum"], tis["tis_capped"]] + [
             sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples), sum(lengths),
             stats["loss"], stats["pg_clipfrac"], stats["kl"], stats["entropy"], stats["tokens"], stats["grad_norm"],
-            stats["opt_steps"], stats["skipped"], reward_timeouts[0]], device)
+            stats["opt_steps"], stats["skipped"], reward_timeouts], device)
         (reward_sum, correct, count, response_tokens, truncated, informative_count, staleness_sum, tis_sum, tis_capped,
          lp_diff, total_tokens,
          loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps, skipped, timeouts) = sums
@@ -747,6 +759,7 @@ def main():
             logger.print(f"{preemption.received or 'a signal on another rank'}: saved the training state at step "
                          f"{step}; run the same command again to continue")
             logger.close()
+            scorer.close()
             return finish_distributed(exit_process=placement is not None)
 
     if start_step >= args.steps:
@@ -756,6 +769,7 @@ def main():
                  f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                  f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
     logger.close()
+    scorer.close()
     finish_distributed(exit_process=placement is not None)
 
 

@@ -3,19 +3,28 @@
 Built-in rewards check a math answer with math-verify, which compares parsed expressions
 (so "0.5", "\\frac{2}{4}" and "\\frac{1}{2}" all match). `load_reward_fn` also loads any
 `path/to/file.py:function_name` with the same signature, and `compute_rewards` scores a batch,
-failing loudly on the first sample whose reward raises or is not a finite number.
+failing loudly on the first sample whose reward raises or is not a finite number. `RewardScorer` scores groups
+of responses in background processes as the rollout engine hands them over, so that scoring the groups that
+finished early hides behind the generation of the rest.
 """
 
+import concurrent.futures
 import importlib.util
 import math
+import multiprocessing
 import numbers
+import os
 import re
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from common.resume import call_with_timeout
 
 RewardFn = Callable[[str, str, str], float]
 BUILTIN_REWARDS = ("gsm8k", "math", "synthetic")
@@ -136,3 +145,90 @@ def compute_rewards(reward_fn: RewardFn, prompts: list[str], completions: list[s
             raise RewardError(f"reward function returned {reward!r} on sample {i}, not a finite number{sample}")
         rewards.append(float(reward))
     return rewards
+
+
+def score_group(reward_fn: RewardFn, timeout_s: float | None, prompts: list[str], completions: list[str],
+                answers: list[str]) -> tuple[list[float], int]:
+    """compute_rewards with each call limited to timeout_s seconds (a slower call scores 0): (rewards, timeouts)."""
+    timeouts = 0
+
+    def bounded(prompt, completion, answer):
+        nonlocal timeouts
+        value, timed_out = call_with_timeout(reward_fn, (prompt, completion, answer), timeout_s)
+        timeouts += timed_out
+        return 0.0 if timed_out else value
+
+    return compute_rewards(bounded, prompts, completions, answers), timeouts
+
+
+# In a scoring process: the reward function and time limit, set once by _start_worker.
+_worker_reward: tuple[RewardFn, float | None] | None = None
+
+
+def _start_worker(spec: str, timeout_s: float | None, parent: int) -> None:
+    global _worker_reward
+    _worker_reward = (load_reward_fn(spec), timeout_s)
+    # Ctrl-C and Slurm's SIGTERM reach every process of the job: the rank decides what happens (finish the step,
+    # save, close the scorer), so its scorer must not die under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def exit_with_parent():  # a rank that dies without closing its scorer (SIGKILL, os._exit) leaves no orphans
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def _score_in_worker(prompts: list[str], completions: list[str], answers: list[str]) -> tuple[list[float], int]:
+    return score_group(*_worker_reward, prompts, completions, answers)
+
+
+class RewardScorer:
+    """Scores groups of responses (one prompt's samples each) against their prompt and answer.
+
+    `submit(key, ...)` queues a group as soon as it is generated; `collect()` returns the rewards of every group
+    queued since the last collect, ordered by key. With workers > 0 the groups are scored right away in that many
+    processes (started fresh, so they share no lock or CUDA state with this one, and math-verify can use its
+    signal-based timeouts there), while this process goes on generating; with 0 they are scored in this process
+    by collect, after generation.
+    """
+
+    def __init__(self, spec: str, timeout_s: float | None = None, workers: int = 0):
+        self.reward_fn, self.timeout_s = load_reward_fn(spec), timeout_s  # a bad spec fails here, with its message
+        self.pool = None
+        if workers > 0:
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                initargs=(spec, timeout_s, os.getpid()))
+        self.pending: dict[int, object] = {}  # key -> future (workers) or the group's arguments (in process)
+
+    def submit(self, key: int, prompts: list[str], completions: list[str], answers: list[str]) -> None:
+        if key in self.pending:
+            raise ValueError(f"group {key} was submitted twice")
+        args = (prompts, completions, answers)
+        self.pending[key] = self.pool.submit(_score_in_worker, *args) if self.pool else args
+
+    def collect(self) -> tuple[list[list[float]], int]:
+        """(rewards of each group by key, reward calls that timed out); raises the first failing group's error."""
+        pending, self.pending = self.pending, {}
+        rewards, timeouts = [], 0
+        for key in sorted(pending):
+            if self.pool:
+                try:
+                    group_rewards, group_timeouts = pending[key].result()
+                except concurrent.futures.process.BrokenProcessPool as e:
+                    raise RewardError(f"a reward process died while scoring group {key} (a crash or os._exit "
+                                      f"in the reward function?): {e}") from e
+            else:
+                group_rewards, group_timeouts = score_group(self.reward_fn, self.timeout_s, *pending[key])
+            rewards.append(group_rewards)
+            timeouts += group_timeouts
+        return rewards, timeouts
+
+    def close(self) -> None:
+        """Stops the scoring processes; call before os._exit, which skips the interpreter's own shutdown."""
+        if self.pool:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None

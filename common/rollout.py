@@ -1,8 +1,10 @@
 """Rollout engines: turn prompt token ids into sampled responses with their log-probs.
 
 Every engine has the same four methods, so the training loop never knows which one it drives:
-`generate` (token ids in, token ids and sampled-token log-probs out), `update_weights` (bring the trainer's latest
-weights in), `sleep` (free memory while training) and `check_weights` (verify the last sync).
+`generate` (token ids in, token ids and sampled-token log-probs out; each prompt's group also goes to an optional
+`on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate), `update_weights`
+(bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights` (verify the last
+sync).
 `HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
 (CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_rollout.py) is the real GPU path.
 """
@@ -30,7 +32,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, greedy: bool = False) -> list[list[Completion]]:
+                 seed: int, greedy: bool = False, on_finish=None) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         longest = max(len(p) for p in prompt_ids)
         # Left-pad so that every prompt ends where generation starts.
@@ -66,7 +68,10 @@ class HFRolloutEngine:
             length = len(ids) if stop is None else stop + 1  # keep the stop token: the policy must learn to stop
             completions.append(Completion(ids[:length], logprobs[row, :length].tolist(), stop is not None))
         per_prompt = 1 if greedy else n
-        return [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
+        groups = [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
+        for i, group in enumerate(groups if on_finish else []):  # one batched generate: all finish together
+            on_finish(i, group)
+        return groups
 
     def update_weights(self, model) -> dict[str, float]:
         return {}  # generates with the trained model itself

@@ -76,8 +76,9 @@ class VLLMRolloutEngine:
         return gathered
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, greedy: bool = False, ignore_eos: bool = False) -> list[list[Completion]]:
-        """result[i] holds the completions of prompt_ids[i]: n of them, or one when greedy.
+                 seed: int, greedy: bool = False, ignore_eos: bool = False, on_finish=None) -> list[list[Completion]]:
+        """result[i] holds the completions of prompt_ids[i]: n of them, or one when greedy. on_finish(i, result[i])
+        is called as soon as all of prompt i's completions are done, while the engine goes on with the others.
 
         ignore_eos generates exactly max_tokens (benchmarks): stop tokens are ignored too.
         """
@@ -98,9 +99,24 @@ class VLLMRolloutEngine:
             seed=request_seed(seed, self.replica, i), stop_token_ids=[] if ignore_eos else self.stop_token_ids,
             ignore_eos=ignore_eos, logprobs=0,  # 0 extra top tokens: only the sampled token's log-prob
             flat_logprobs=True, detokenize=False) for i in range(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []  # in request order
         first = sum(len(p) for p in by_rank[:self.tp_rank])  # this rank's slice of the replica's requests
-        return [[to_completion(c) for c in o.outputs] for o in outputs[first:first + len(prompt_ids)]]
+        results = [None] * len(prompt_ids)
+        if not requests:
+            return results
+        # LLM.generate's loop, by hand, to see each request finish. enqueue returns vLLM's internal ids, the id it
+        # was given plus "-" and a random suffix; outputs carry the given id.
+        ids = self.llm.enqueue(requests, params, use_tqdm=False)
+        index = {request_id.split("-", 1)[0]: i for i, request_id in enumerate(ids)}
+        while self.llm.llm_engine.has_unfinished_requests():
+            for output in self.llm.llm_engine.step():  # final outputs only: all n samples of a request at once
+                i = index[output.request_id] - first
+                if output.finished and 0 <= i < len(prompt_ids):
+                    results[i] = [to_completion(c) for c in output.outputs]
+                    if on_finish:
+                        on_finish(i, results[i])
+        if None in results:
+            raise RuntimeError(f"vLLM finished without {results.count(None)} of this rank's {len(results)} requests")
+        return results
 
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Collective: brings the trainer's current weights into vLLM, waking it up around them."""

@@ -125,3 +125,29 @@ def test_vllm_logprobs_match_the_trainer(colocated):
     assert torch.cat(vllm_logprobs).std() > 0.5
     assert vllm_err < 2 * trainer_err + 0.01, (
         f"vLLM is off the fp32 log-probs by {vllm_err:.4f}, the bf16 trainer by {trainer_err:.4f}")
+
+
+def test_each_group_is_handed_over_as_soon_as_it_is_complete(colocated):
+    """generate's on_finish gets every prompt's group exactly once, the same one generate returns, and (with
+    responses of different lengths) some of them while other requests are still generating: what lets grpo.py
+    score rewards during generation."""
+    policy, engine = colocated
+    engine.update_weights(policy)
+    prompts = [[1 + i, 2 + i, 3 + i] for i in range(16)]
+    handed, unfinished = {}, []
+
+    def on_finish(i, group):
+        assert i not in handed
+        handed[i] = group
+        unfinished.append(engine.llm.llm_engine.get_num_unfinished_requests())
+
+    stop_ids, engine.stop_token_ids = engine.stop_token_ids, list(range(0, 1000, 10))  # ~1 in 10 tokens stops
+    try:
+        outputs = engine.generate(prompts, n=4, max_tokens=64, temperature=1.0, top_p=1.0, seed=5,
+                                  on_finish=on_finish)
+    finally:
+        engine.stop_token_ids = stop_ids
+    assert sorted(handed) == list(range(len(prompts))) and all(handed[i] is outputs[i] for i in handed)
+    assert all(len(group) == 4 for group in outputs)
+    assert len({len(c.response_ids) for group in outputs for c in group}) > 1
+    assert max(unfinished) > 0, unfinished

@@ -43,9 +43,11 @@ def test_two_rank_run_completes_and_checkpoint_reloads(tmp_path):
 
 
 def test_reward_function_that_raises_stops_every_rank(tmp_path):
+    """Raised in a reward process (--reward-workers 1): the message still names the error and the sample."""
     (tmp_path / "bad_reward.py").write_text(
         "def reward(prompt, completion, answer):\n    raise ZeroDivisionError('boom')\n")
-    result = torchrun([*TINY, "--output-dir", str(tmp_path / "run"), "--reward-fn", "bad_reward.py:reward"], tmp_path)
+    result = torchrun([*TINY, "--output-dir", str(tmp_path / "run"), "--reward-fn", "bad_reward.py:reward",
+                       "--reward-workers", "1"], tmp_path)
     assert result.returncode != 0
     assert "ZeroDivisionError" in result.stderr and "boom" in result.stderr and "sample" in result.stderr
 
@@ -123,17 +125,20 @@ def metrics_by_step(run_dir) -> dict[int, dict]:
 
 
 def test_killed_run_resumes_exactly(tmp_path):
+    """A run SIGKILLed after its second checkpoint and resumed matches an uninterrupted one, metric for metric and
+    weight for weight. The killed run scores its rewards in reward processes (--reward-workers 2) and the whole
+    one in the ranks' own processes, so the same comparison also shows the two ways of scoring agree."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     (tmp_path / "hash_reward.py").write_text(HASH_REWARD)
     assert torchrun([*RESUMABLE, "--output-dir", str(whole)], tmp_path).returncode == 0
 
-    proc = launch([*RESUMABLE, "--output-dir", str(killed)], tmp_path)
+    proc = launch([*RESUMABLE, "--output-dir", str(killed), "--reward-workers", "2"], tmp_path)
     wait_for(lambda: (killed / "state_000004" / "COMPLETE").exists(), proc)  # after its second checkpoint
     kill_tree(proc.pid)
     proc.wait()
     assert not (killed / "hf_step_12").exists()  # it really died before the end
 
-    result = torchrun([*RESUMABLE, "--output-dir", str(killed)], tmp_path)  # --resume auto
+    result = torchrun([*RESUMABLE, "--output-dir", str(killed), "--reward-workers", "2"], tmp_path)  # --resume auto
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout + result.stderr
     expected, got = metrics_by_step(whole), metrics_by_step(killed)

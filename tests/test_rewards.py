@@ -1,9 +1,14 @@
 import math
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
-from common.rewards import RewardError, compute_rewards, gsm8k_reward, last_boxed, load_reward_fn, math_reward
+from common.rewards import (RewardError, RewardScorer, compute_rewards, gsm8k_reward, last_boxed, load_reward_fn,
+                            math_reward)
 
 GSM8K_ANSWER = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -166,3 +171,101 @@ def test_compute_rewards_rejects_non_finite_or_non_number(bad):
 def test_compute_rewards_length_mismatch():
     with pytest.raises(ValueError, match="2 prompts, 1 completions"):
         compute_rewards(gsm8k_reward, ["p", "q"], ["c"], ["a"])
+
+
+# A reward file for the scorer tests: 1.0 for "yes"; "slow" sleeps (timeouts); "raise" and "die" fail.
+SCORER_REWARD = """import os, time
+def reward(prompt, completion, answer):
+    if completion == "slow":
+        time.sleep(5)
+    if completion == "raise":
+        raise KeyError("no such field")
+    if completion == "die":
+        os._exit(3)
+    return float(completion == answer) + 0.5 * float(prompt == "bonus")
+"""
+
+
+@pytest.fixture
+def scorer_reward(tmp_path):
+    (tmp_path / "scorer_reward.py").write_text(SCORER_REWARD)
+    return f"{tmp_path / 'scorer_reward.py'}:reward"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_scorer_orders_groups_by_key_and_counts_timeouts(scorer_reward, workers):
+    """Groups arrive in the order they finish; collect returns them by key, with the values worked out by hand:
+    'yes' == answer scores 1, the 'bonus' prompt adds 0.5, a call over the time limit scores 0 and is counted."""
+    scorer = RewardScorer(scorer_reward, timeout_s=0.5, workers=workers)
+    try:
+        scorer.submit(2, ["bonus", "bonus"], ["yes", "no"], ["yes", "yes"])
+        scorer.submit(0, ["p"], ["slow"], ["yes"])
+        scorer.submit(1, ["p", "p", "p"], ["no", "yes", "slow"], ["yes", "yes", "yes"])
+        assert scorer.collect() == ([[0.0], [0.0, 1.0, 0.0], [1.5, 0.5]], 2)
+        assert scorer.collect() == ([], 0)  # collected groups are gone
+        scorer.submit(0, ["p"], ["yes"], ["yes"])  # keys start again after a collect
+        with pytest.raises(ValueError, match="group 0 was submitted twice"):
+            scorer.submit(0, ["p"], ["yes"], ["yes"])
+        assert scorer.collect() == ([[1.0]], 0)
+    finally:
+        scorer.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_scorer_raises_the_first_failing_groups_error(scorer_reward, workers):
+    scorer = RewardScorer(scorer_reward, workers=workers)
+    try:
+        scorer.submit(1, ["p2"], ["raise"], ["yes"])
+        scorer.submit(0, ["p0", "p0"], ["yes", "raise"], ["yes", "yes"])
+        with pytest.raises(RewardError) as info:
+            scorer.collect()
+        message = str(info.value)
+        assert "sample 1" in message and "KeyError" in message and "'p0'" in message, message
+        scorer.submit(0, ["p"], ["yes"], ["yes"])  # a failed collect leaves nothing behind
+        assert scorer.collect() == ([[1.0]], 0)
+    finally:
+        scorer.close()
+
+
+def test_scorer_reports_a_reward_process_that_died(scorer_reward):
+    scorer = RewardScorer(scorer_reward, workers=1)
+    try:
+        scorer.submit(0, ["p"], ["die"], ["yes"])
+        with pytest.raises(RewardError, match="reward process died while scoring group 0"):
+            scorer.collect()
+    finally:
+        scorer.close()
+
+
+def test_scorer_rejects_a_bad_spec_before_starting_processes(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        RewardScorer(f"{tmp_path / 'nope.py'}:reward", workers=2)
+
+
+def test_reward_processes_exit_with_their_rank(scorer_reward):
+    """A rank killed without closing its scorer (here os._exit, like SIGKILL) leaves no reward process behind;
+    SIGTERM, which Slurm sends to every process of a job, does not stop them while their rank lives."""
+    script = (f"import os, signal, sys\nsys.path.insert(0, {os.getcwd()!r})\n"
+              "from common.rewards import RewardScorer\n"
+              f"scorer = RewardScorer({scorer_reward!r}, workers=2)\n"
+              "for key in range(2):\n    scorer.submit(key, ['p'], ['yes'], ['yes'])\n"
+              "scorer.collect()\npids = list(scorer.pool._processes)\n"
+              "for pid in pids:\n    os.kill(pid, signal.SIGTERM)\n"
+              "scorer.submit(0, ['p'], ['yes'], ['yes'])\nassert scorer.collect() == ([[1.0]], 0)\n"
+              "print(*pids, flush=True)\nos._exit(0)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert len(pids) >= 1
+
+    def alive(pid):  # a zombie has exited; it only waits for a reaper
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 10
+    while any(alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids)

@@ -205,10 +205,11 @@ def test_async_split_learns_the_builtin_task(tmp_path, builtin_sync_run):
 
 def test_staleness_two_resume_and_switching_placement(tmp_path):
     """Two batches in flight (no deadlock, staleness up to 2), every evaluation logged with its version, a resumed
-    split run, one resumed at its end, and a split checkpoint resumed colocated."""
+    split run, one resumed at its end, and a split checkpoint resumed colocated; the rollout rank scores in a reward
+    process."""
     out = tmp_path / "run"
     common = ["--rollout-ranks", "1", "--async-rollout", "--max-staleness", "2", "--eval-every", "3",
-              "--eval-size", "32", "--save-state-every", "3", "--output-dir", str(out)]
+              "--eval-size", "32", "--save-state-every", "3", "--output-dir", str(out), "--reward-workers", "1"]
     result = torchrun([*common, "--steps", "6"], tmp_path, nproc=3)
     assert result.returncode == 0, failure(result)
     rows = read_metrics(out / "metrics.jsonl")
@@ -238,7 +239,7 @@ def test_sigterm_in_split_placement_saves_the_trainers_state(tmp_path):
     from common.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
     args = ["--rollout-ranks", "1", "--async-rollout", "--save-state-every", "0", "--eval-every", "0",
-            "--eval-size", "32", "--output-dir", str(out)]
+            "--eval-size", "32", "--output-dir", str(out), "--reward-workers", "1"]  # scored in a reward process
     proc = launch([*args, "--steps", "500"], tmp_path, nproc=3)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4,
              proc)
