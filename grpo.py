@@ -357,7 +357,8 @@ def collect_rewards(scorer: RewardScorer) -> tuple[list[list[float]], int]:
     return rewards, timeouts
 
 
-def build_samples(prompts: list[dict], outputs, scorer: RewardScorer, args: Args, version: int) -> tuple[list[dict], int]:
+def build_samples(prompts: list[dict], outputs, scorer: RewardScorer, args: Args,
+                  version: int) -> tuple[list[dict], int]:
     """Collective (rewards): one dict per response with its reward, its advantage relative to its prompt's group,
     a loss weight (0 for groups whose rewards are all equal: no signal) and the weight version that generated it;
     and the number of reward calls that timed out."""
