@@ -190,7 +190,7 @@ def check_args(args: Args, world: int) -> None:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
     if args.max_staleness < 1:
         raise ValueError("--max-staleness must be at least 1")
-    if args.reward_workers < 0:
+    if args.reward_workers is not None and args.reward_workers < 0:
         raise ValueError("--reward-workers must be 0 (score in the rank's own process) or more")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")

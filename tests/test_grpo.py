@@ -128,6 +128,7 @@ def test_two_ranks_match_one_rank(tmp_path, loss_agg):
     (dict(rollout_tp=2, prompts_per_step=12), 3, "--rollout-tp"),
     (dict(max_tokens_per_micro_batch=100, max_prompt_len=64, max_response_len=64), 1, "one whole sequence"),
     (dict(num_mini_batches=1000), 1, "--num-mini-batches"),
+    (dict(reward_workers=-1), 1, "--reward-workers"),
 ])
 def test_invalid_flag_combinations(flags, world, message):
     args = grpo.Args(**{"max_response_len": 2, **flags})
