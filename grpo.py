@@ -715,7 +715,7 @@ def main():
          lp_diff, total_tokens,
          loss, clipfrac, kl, entropy, trained_tokens, grad_norm, opt_steps, skipped, timeouts) = sums
         opt_steps = max(opt_steps / world, 1)
-        update_seconds = timer.seconds["time/update"]
+        update_seconds, step_seconds = timer.seconds["time/update"], time.perf_counter() - step_start
         metrics.update({
             "reward/mean": reward_sum / count, "reward/accuracy": correct / count,
             "reward/informative_frac": informative_count / count,
@@ -724,8 +724,7 @@ def main():
             "loss/policy": loss / world / opt_steps, "loss/kl": kl / max(trained_tokens, 1),
             "policy/clip_frac": clipfrac / max(trained_tokens, 1), "policy/entropy": entropy / max(trained_tokens, 1),
             "policy/grad_norm": grad_norm / world / opt_steps, "policy/lr": scheduler.get_last_lr()[0],
-            "perf/tokens_per_s": total_tokens / (time.perf_counter() - step_start),
-            "time/step": time.perf_counter() - step_start,
+            "perf/tokens_per_s": total_tokens / step_seconds, "time/step": step_seconds,
             "perf/train_tokens_per_s": total_tokens * args.epochs / update_seconds,
         })
         metrics.update({"update/skipped": skipped / world, "reward/timeouts": timeouts})

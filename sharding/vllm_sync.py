@@ -33,20 +33,28 @@ def full_tensor(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return param.to(dtype).full_tensor()  # cast the shard first: the all-gather moves half the bytes of fp32
 
 
+def loaded_parameters(model: torch.nn.Module, tied: bool):
+    """(checkpoint name, parameter) of every weight vLLM loads, in the model's order: only parameters (the buffers
+    of HF decoder models, rotary inv_freq, are recomputed by vLLM, never loaded), and no lm_head when it is tied
+    (vLLM's tied models share embed_tokens and skip "lm_head." when loading). Decided by names alone, so every rank
+    takes part in the same collectives."""
+    for name, param in model.named_parameters():
+        name = hf_name(name)
+        if not (tied and name == "lm_head.weight"):
+            yield name, param
+
+
 def weight_shapes(model: torch.nn.Module) -> list[tuple[str, torch.Size]]:
     """(checkpoint name, full shape) of every weight `trainer_weights` yields, in its order; works on any copy of
     the architecture (FSDP2-sharded, plain, or on the meta device)."""
     tied = getattr(model.config, "tie_word_embeddings", False)
-    return [(hf_name(name), p.shape) for name, p in model.named_parameters()
-            if not (tied and hf_name(name) == "lm_head.weight")]
+    return [(name, p.shape) for name, p in loaded_parameters(model, tied)]
 
 
 def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, dtype: torch.dtype):
-    """Yields (checkpoint name, full tensor) for every weight vLLM loads, in the same order on every rank.
-
-    Only parameters: the buffers of HF decoder models (rotary inv_freq) are recomputed by vLLM, never loaded.
-    A tied lm_head is skipped: vLLM's tied models share embed_tokens and skip "lm_head." when loading.
-    vllm_model None: the receiver is not in this process; the trainer's own config says whether the head is tied.
+    """Yields (checkpoint name, full tensor) for every weight vLLM loads (`loaded_parameters`), in the same order on
+    every rank. vllm_model None: the receiver is not in this process; the trainer's own config says whether the
+    head is tied.
     """
     config = getattr(vllm_model if vllm_model is not None else model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -55,10 +63,7 @@ def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, 
             # A forward without backward leaves the root's weights gathered, and named_parameters() would then
             # return that gathered copy, stale after an optimizer step; resharding puts the master weights back.
             module.reshard()
-    for name, param in model.named_parameters():
-        name = hf_name(name)
-        if tied and name == "lm_head.weight":
-            continue  # decided by the name alone, so every rank skips the same collective
+    for name, param in loaded_parameters(model, tied):
         yield name, full_tensor(param, dtype)
 
 
