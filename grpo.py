@@ -27,8 +27,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import tyro
-from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.batching import (TrainingMemoryPeak, batching_metrics, equalize_micro_batches, memory_in_use, mfu,
@@ -40,8 +38,11 @@ from common.distributed import (all_reduce_sum, finish_distributed, init_distrib
 from common.logger import Logger, StageTimer
 from common.model import (checkpoint_dtype, load_model, load_tokenizer, save_model_config, shard_model,
                           stop_token_ids)
-from common.resume import (BadStepCounter, PreemptionFlag, is_bad_number, load_training_state, prune_checkpoints,
-                           read_trainer_state, resolve_resume, save_training_state)
+from common.errors import parse_args, run_main
+from common.resume import (BadStepCounter, is_bad_number, load_training_state, prune_checkpoints, read_trainer_state,
+                           save_training_state, set_hyperparameters)
+from common.rundir import open_run_dir
+from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
 from common.rewards import RewardScorer
 from common.rollout import make_rollout_engine, resolve_engine_kind
 from common.split import (behaviour_version, check_shapes, close_link, eval_versions, init_split, load_into_module,
@@ -57,23 +58,25 @@ class Args:
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """HF hub dataset name or a local .jsonl/.json/.parquet file; unset: the built-in synthetic task"""
+    """HF hub dataset name or a local .jsonl/.json/.parquet/.csv file (also compressed, e.g. .jsonl.gz); unset: the
+    built-in synthetic task"""
     dataset_config: str | None = None
     """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
     prompt_key: str = "prompt"
-    """dataset column holding the prompt"""
+    """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
+    rendered by the chat template; the reward function gets its last user message)"""
     answer_key: str = "answer"
     """dataset column holding the reference answer passed to the reward function"""
     eval_split: str = "test"
     """hub dataset split to evaluate on; a local file holds out --eval-size rows instead"""
-    eval_size: int = 256
-    """number of held-out prompts evaluated"""
+    eval_size: int | None = None
+    """number of held-out prompts evaluated; unset: 256, or a tenth of a local file of fewer than 2,560 rows"""
     reward_fn: str | None = None
     """gsm8k, math, synthetic or path/to/file.py:function; unset: synthetic for the built-in task, else gsm8k"""
     reward_workers: int | None = None
-    """processes per rank that score each prompt's responses as soon as they are generated, while the rest still
-    generate; 0: score after generation, in the rank's own process; unset: 2 with vLLM, 0 with hf (whose generate
-    returns every response at once)"""
+    """processes per rank that run the reward function, scoring each prompt's responses as soon as they are
+    generated, while the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response
+    at once)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
 
@@ -157,16 +160,20 @@ class Args:
     keep_checkpoints: int = 2
     """resumable training states kept in the output dir (the newest); 0 keeps all"""
     resume: str = "auto"
-    """auto: continue from the latest complete training state in the output dir, if any; none: start afresh;
-    or the path of a state_<step> directory"""
-    reward_timeout: float | None = None
-    """seconds one reward call may take; a slower one scores 0 and is counted (reward/timeouts); unset: no limit"""
+    """auto: continue from the newest intact training state in the output dir, if any; none: start afresh (refused
+    where another run's files are, unless --overwrite); or the path of a state_<step> directory"""
+    overwrite: bool = False
+    """delete the run already in the output dir (its states, exports and metrics) and start afresh"""
+    reward_timeout: float | None = 30.0
+    """seconds one reward call may take: a slower one is stopped (its process killed and replaced), scores 0 and is
+    counted (reward/timeouts); None: no limit"""
     max_bad_steps: int = 5
     """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
     output_dir: str | None = None
-    """where checkpoints and W&B files go; unset: runs/<run-name>"""
+    """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
     run_name: str | None = None
-    """unset: grpo_<dataset>_s<seed>"""
+    """unset: grpo_<dataset>_s<seed>_<hash of the flags that define the run>, so that the same command resumes its
+    run and a changed one starts a new run (--steps, cadences, logging and memory flags are not in the hash)"""
     seed: int = 1
     """seed for the model init, data order and sampling"""
     track: bool = False
@@ -175,9 +182,30 @@ class Args:
     """W&B project"""
 
 
+# Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
+FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "answer_key", "eval_split", "eval_size", "seed",
+                   "group_size", "prompts_per_step", "max_prompt_len", "chat_template")
+
+
 def check_args(args: Args, world: int) -> None:
-    """Flag combinations that cannot work, each with a one-line error (before any model is loaded).
+    """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded).
     world: the ranks that train (all of them, or those left by --rollout-ranks)."""
+    for name, value, low in [("lr", args.lr, 0), ("temperature", args.temperature, 0), ("top_p", args.top_p, 0),
+                             ("max_grad_norm", args.max_grad_norm, 0), ("reward_timeout", args.reward_timeout, 0)]:
+        if value is not None and not value > low:
+            hint = " (greedy decoding has no sampling distribution to train on)" if name == "temperature" else ""
+            raise ValueError(f"--{name.replace('_', '-')} must be greater than {low}, got {value}{hint}")
+    for name in ["steps", "prompts_per_step", "max_response_len", "max_prompt_len", "epochs", "num_mini_batches",
+                 "eval_size", "max_tokens_per_micro_batch", "reward_workers", "rollout_tp"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "eval_every", "save_every",
+                 "save_state_every", "keep_checkpoints", "rollout_ranks"]:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.top_p > 1:
+        raise ValueError(f"--top-p must be at most 1, got {args.top_p}")
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} training ranks")
     generating = args.rollout_ranks or world
@@ -190,8 +218,6 @@ def check_args(args: Args, world: int) -> None:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
     if args.max_staleness < 1:
         raise ValueError("--max-staleness must be at least 1")
-    if args.reward_workers is not None and args.reward_workers < 0:
-        raise ValueError("--reward-workers must be 0 (score in the rank's own process) or more")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
@@ -471,9 +497,9 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
     finish_distributed(exit_process=True)
 
 
-@record  # a failing rank's traceback goes into torchrun's summary
 def main():
-    args = tyro.cli(Args)
+    args = parse_args(Args)
+    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
     placement = None  # colocated: every rank trains and generates
     if args.rollout_ranks:  # split: each role gets a world of its own (see common/split.py)
         placement, device = init_split(args.rollout_ranks)
@@ -484,26 +510,22 @@ def main():
     quiet_libraries()
     tp = args.rollout_tp
     prompts_per_rank = args.prompts_per_step // world
-    dataset_name = "builtin" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).split(".")[0]
-    run_name = args.run_name or f"grpo_{dataset_name}_s{args.seed}"
-    output_dir = args.output_dir or os.path.join("runs", run_name)
     # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
-    args.max_response_len = args.max_response_len or (2 if builtin else 1024)
-    args.lr = args.lr or (5e-4 if args.model is None else 1e-6)
+    args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
+    args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
     if args.async_rollout and args.tis_cap is None:
         args.tis_cap = 2.0
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
     if args.reward_workers is None:
-        args.reward_workers = 2 if args.rollout_engine == "vllm" else 0
+        args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
     check_args(args, placement.num_trainers if placement else world)
     torch.manual_seed(args.seed)
 
-    # Resume from the latest complete training state in the output dir (--resume auto), if there is one.
-    resume_path = [resolve_resume(args.resume, output_dir) if rank == 0 else None]
-    dist.broadcast_object_list(resume_path, src=0)  # one answer on every node
-    resume_path = resume_path[0]
+    # The run's directory: locked for this run, and resumed from its newest intact training state (--resume auto).
+    run_dir = open_run_dir("grpo", given, asdict(args), FIXED_ON_RESUME)
+    resume_path, output_dir = run_dir.resume_from, run_dir.path
     resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
     start_step = resumed["step"]
 
@@ -513,9 +535,9 @@ def main():
                                             eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
     eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, args.max_prompt_len, args.chat_template)
-    # Reward processes only where responses are generated: not on the trainers of split placement.
-    scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers if placement is None or not training
-                          else 0)
+    # Reward processes where responses are generated: not on the trainers of split placement.
+    scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers) if placement is None or \
+        not training else None
     # Rollout engines see only token ids and stop at EOS.
     stop_ids = stop_token_ids(args.model, tokenizer)
     if not training:
@@ -536,8 +558,10 @@ def main():
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
 
-    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_name, asdict(args), output_dir,
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
+    for note in run_dir.notes:
+        logger.print(note)
     logger.print(f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} "
                  f"longer than --max-prompt-len {args.max_prompt_len}")
     # In split placement the rollout ranks draw the prompts; the trainers' sampler only keeps the data position
@@ -620,16 +644,19 @@ def main():
         with timer("save_state"):
             save_training_state(output_dir, step, policy, optimizer, scheduler, sampler,
                                 {"wandb_run_id": logger.run_id, "first_eval": first_eval, "last_eval": last_eval,
-                                 "bad_steps_in_a_row": bad_steps.in_a_row})
+                                 "bad_steps_in_a_row": bad_steps.in_a_row, "args": asdict(args)})
             prune_checkpoints(output_dir, args.keep_checkpoints)
 
-    # Installed after the engine, which may set handlers of its own: SIGTERM now means "save and stop".
-    preemption, bad_steps = PreemptionFlag(), BadStepCounter(args.max_bad_steps)
+    # Installed after the engine, which may set handlers of its own: SIGTERM and Ctrl-C now mean "finish the step,
+    # save, stop" (common/signals.py).
+    install_stop_handlers()
+    bad_steps = BadStepCounter(args.max_bad_steps)
     first_eval = last_eval = None
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
         if engine is not None:
             engine.sleep()  # the optimizer state that loading allocates needs the memory an awake vLLM holds
         info = load_training_state(resume_path, policy, optimizer, scheduler, sampler)
+        set_hyperparameters(optimizer, scheduler, args.lr, args.weight_decay)  # this command's, not the saved ones
         first_eval, last_eval = info["extra"]["first_eval"], info["extra"]["last_eval"]
         bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
         logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
@@ -695,7 +722,7 @@ def main():
             if stats["opt_steps"]:  # the schedule counts updates (a batch of equal-reward groups makes none)
                 scheduler.step()
 
-        stop = preemption.should_stop(device)  # SIGTERM on any rank: every rank saves and stops at this step
+        stop = stop_agreed(device)  # SIGTERM / Ctrl-C on any rank: every rank saves and stops at this step
         if placement and not stop and step in versions_to_send:  # taken before the rollout ranks' next batch
             metrics.update(push_weights(step))
         if placement and step == args.steps:  # the evaluations of the last versions, before the last save
@@ -749,17 +776,18 @@ def main():
         if args.save_every and step % args.save_every == 0 or step == args.steps:
             with timer("save"):
                 save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
-                                   checkpoint_dtype(args.model))
+                                   checkpoint_dtype(args.model), probes=[train_rows[0]["prompt"]])
             metrics.update(timer.pop())
+        logger.log(step, metrics)  # before the state: a state never exists without its step's row
+        crash_point("after_row", step)
         if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
-            save_state(step)
-            metrics.update(timer.pop())
-        logger.log(step, metrics)
+            save_state(step)  # its time is logged with the next step
+        crash_point("after_state", step)
         if stop:
-            logger.print(f"{preemption.received or 'a signal on another rank'}: saved the training state at step "
+            logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
                          f"{step}; run the same command again to continue")
             logger.close()
-            scorer.close()
+            close_scorer(scorer)
             return finish_distributed(exit_process=placement is not None)
 
     if start_step >= args.steps:
@@ -769,9 +797,14 @@ def main():
                  f"{last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                  f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
     logger.close()
-    scorer.close()
+    close_scorer(scorer)
     finish_distributed(exit_process=placement is not None)
 
 
+def close_scorer(scorer: RewardScorer | None) -> None:
+    if scorer is not None:  # split placement's trainers score nothing
+        scorer.close()
+
+
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,17 +1,20 @@
 """Prompt datasets for RL: load (prompt, reference answer) rows, tokenize them, and deal them out to ranks.
 
 RL post-training reads only prompts and the answers the reward checks against; the model writes the rest.
-Rows come from the built-in synthetic task, a local .jsonl/.json/.parquet file, or a Hugging Face hub dataset.
+Rows come from the built-in synthetic task, a local .jsonl/.json/.parquet/.csv file (.jsonl.gz and the like too),
+or a Hugging Face hub dataset. A prompt is a string or a conversation (a list of {"role", "content"} messages,
+as many hub datasets hold it), which the tokenizer's chat template renders.
 `PromptSampler` gives every data-parallel rank its slice of the same seeded global batch, so a run on 1 rank
 and on N ranks sees the same prompts, and a resumed run continues with exactly the batches it would have seen.
 """
 
 import os
 
-import datasets
 import torch
 
-LOCAL_FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+LOCAL_FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets reads json and csv files compressed with these
+DEFAULT_EVAL_SIZE = 256
 
 
 def _first_line(error: Exception) -> str:
@@ -20,12 +23,23 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _read_local_file(path: str) -> datasets.Dataset:
+def _file_format(path: str) -> str | None:
+    """The `datasets` loader for a local file ("json", "parquet", "csv"), by its extension, or None."""
+    stem, extension = os.path.splitext(path)
+    if extension in COMPRESSIONS:
+        stem, extension = os.path.splitext(stem)
+        return None if extension == ".parquet" else LOCAL_FILE_LOADERS.get(extension)
+    return LOCAL_FILE_LOADERS.get(extension)
+
+
+def _read_local_file(path: str):
+    import datasets  # imported here: the built-in task needs none of it
+
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     if os.path.getsize(path) == 0:
         raise ValueError(f"dataset file is empty: {path}")
-    loader = LOCAL_FILE_LOADERS[os.path.splitext(path)[1]]
+    loader = _file_format(path)
     try:
         return datasets.load_dataset(loader, data_files=path, split="train")
     except Exception as error:
@@ -34,17 +48,23 @@ def _read_local_file(path: str) -> datasets.Dataset:
 
 def _read_hub(dataset: str, config: str | None, split: str | None):
     """Returns a Dataset for one split, or a DatasetDict of all splits when split is None."""
+    import datasets
+
+    if os.path.exists(dataset) or dataset.startswith((".", "/", "~")):
+        raise ValueError(f"dataset {dataset!r}: a local file must end in one of "
+                         f"{', '.join(LOCAL_FILE_LOADERS)} (optionally compressed: {', '.join(COMPRESSIONS)}), "
+                         f"or name a hub dataset")
     try:
         return datasets.load_dataset(dataset, config, split=split)
     except Exception as error:
         raise ValueError(
             f"could not load hub dataset {dataset!r} (config={config!r}, split={split!r}): the hub could not be "
             f"reached or the dataset/split does not exist ({_first_line(error)}); "
-            f"a local .jsonl/.json/.parquet path works too"
+            f"a local .jsonl/.json/.parquet/.csv path works too"
         ) from error
 
 
-def _rows_from_table(table: datasets.Dataset, prompt_key: str, answer_key: str, source: str) -> list[dict]:
+def _rows_from_table(table, prompt_key: str, answer_key: str, source: str) -> list[dict]:
     missing = [key for key in (prompt_key, answer_key) if key not in table.column_names]
     if missing:
         raise ValueError(f"{source}: missing column(s) {missing}; existing columns: {table.column_names}")
@@ -56,24 +76,37 @@ def _rows_from_table(table: datasets.Dataset, prompt_key: str, answer_key: str, 
         raise ValueError(f"{source}: the file is not valid UTF-8 text ({error}); save it as UTF-8") from error
     rows = []
     for index, (prompt, answer) in enumerate(zip(prompts, answers)):
-        if not isinstance(prompt, str):
-            raise ValueError(
-                f"{source}: row {index} column {prompt_key!r}: prompt must be a string, got {type(prompt).__name__}"
-            )
+        where = f"{source}: row {index} column {prompt_key!r}"
+        messages = None
+        if isinstance(prompt, list):  # a conversation
+            messages = _check_messages(prompt, where)
+            prompt = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        elif not isinstance(prompt, str):
+            raise ValueError(f"{where}: prompt must be a string or a list of messages, got {type(prompt).__name__}")
         if not prompt.strip():
-            raise ValueError(f"{source}: row {index} column {prompt_key!r}: prompt is empty or whitespace-only")
+            raise ValueError(f"{where}: prompt is empty or whitespace-only")
         # Numeric answers (GSM8K-style) are fine as text; lists, dicts and nulls have no single sensible string.
         if not isinstance(answer, (str, int, float)):
             raise ValueError(
                 f"{source}: row {index} column {answer_key!r}: answer must be a string or a number, "
                 f"got {type(answer).__name__}"
             )
-        rows.append({"prompt": prompt, "answer": str(answer)})
+        rows.append({"prompt": prompt, "answer": str(answer)} | ({"messages": messages} if messages else {}))
     return rows
 
 
+def _check_messages(messages: list, where: str) -> list[dict]:
+    """A conversation as chat templates take it: {"role", "content"} dicts with a user turn among them."""
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError(f"{where}: a conversation must be a non-empty list of {{'role': ..., 'content': ...}} messages")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError(f"{where}: the conversation has no 'user' message")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 def _is_local_file(dataset: str) -> bool:
-    return os.path.splitext(dataset)[1] in LOCAL_FILE_LOADERS
+    return _file_format(dataset) is not None
 
 
 def load_rows(
@@ -91,7 +124,11 @@ def load_rows(
     return _rows_from_table(table, prompt_key, answer_key, source=dataset)
 
 
-def _hold_out(rows: list[dict], eval_size: int, seed: int, source: str) -> tuple[list[dict], list[dict]]:
+def _hold_out(rows: list[dict], eval_size: int | None, seed: int, source: str) -> tuple[list[dict], list[dict]]:
+    """A seeded random eval_size rows for evaluation, the rest for training; eval_size None: 256, or a tenth of a
+    smaller file."""
+    if eval_size is None:
+        eval_size = max(1, min(DEFAULT_EVAL_SIZE, len(rows) // 10))
     if eval_size >= len(rows):
         raise ValueError(f"{source}: eval_size={eval_size} leaves none of its {len(rows)} rows for training")
     permutation = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -106,14 +143,15 @@ def load_train_eval(
     config: str | None = None,
     train_split: str = "train",
     eval_split: str = "test",
-    eval_size: int = 256,
+    eval_size: int | None = None,
     seed: int = 0,
 ) -> tuple[list[dict], list[dict]]:
-    """(train_rows, eval_rows), disjoint, at most eval_size eval rows. Without an eval split, a seeded hold-out."""
+    """(train_rows, eval_rows), disjoint, at most eval_size eval rows (None: 256, or a tenth of a local file or
+    split that has fewer than 2,560 rows). Without an eval split, a seeded hold-out."""
     if dataset is None:
         from common.synthetic import make_synthetic_rows
 
-        return make_synthetic_rows("train"), make_synthetic_rows("test")[:eval_size]
+        return make_synthetic_rows("train"), make_synthetic_rows("test")[:eval_size or DEFAULT_EVAL_SIZE]
     if _is_local_file(dataset):
         return _hold_out(load_rows(dataset, train_split, prompt_key, answer_key), eval_size, seed, dataset)
     splits = _read_hub(dataset, config, split=None)  # one download gives every split and tells which exist
@@ -123,7 +161,7 @@ def load_train_eval(
     if eval_split not in splits:
         return _hold_out(train_rows, eval_size, seed, dataset)
     eval_table = splits[eval_split]
-    eval_table = eval_table.select(range(min(eval_size, len(eval_table))))
+    eval_table = eval_table.select(range(min(eval_size or DEFAULT_EVAL_SIZE, len(eval_table))))
     return train_rows, _rows_from_table(eval_table, prompt_key, answer_key, f"{dataset}[{eval_split}]")
 
 
@@ -142,9 +180,12 @@ def tokenize_prompts(
     if use_chat_template and not has_template:
         name = tokenizer.name_or_path or type(tokenizer).__name__
         raise ValueError(f"use_chat_template=True but tokenizer {name!r} has no chat_template")
+    if any("messages" in row for row in rows) and not use_chat_template:
+        raise ValueError("the prompts are conversations (lists of messages), which need the tokenizer's chat template"
+                         + ("" if has_template else f": {tokenizer.name_or_path or 'this tokenizer'} has none"))
     prompts = [row["prompt"] for row in rows]
     if use_chat_template:
-        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        conversations = [row.get("messages") or [{"role": "user", "content": row["prompt"]}] for row in rows]
         # transformers 5 returns a BatchEncoding by default; return_dict=False gives plain lists of ids.
         all_ids = tokenizer.apply_chat_template(
             conversations, add_generation_prompt=True, tokenize=True, return_dict=False

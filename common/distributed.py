@@ -5,11 +5,17 @@ So failures that can happen on one rank (a reward function that raises, say) are
 and raised everywhere with the failing rank's message.
 """
 
+import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from common import errors
+
+_store = None  # torchrun's key-value store: reaches every process of the launch, whatever its role
+_global_rank = 0
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -25,7 +31,34 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    use_store(dist.distributed_c10d._get_default_store(), dist.get_rank())
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def use_store(store, global_rank: int) -> None:
+    """The store every process of the launch shares (set once the processes have met)."""
+    global _store, _global_rank
+    _store, _global_rank = store, global_rank
+    errors.use_store(store)
+
+
+def decided_by_rank0(name: str, decide):
+    """Collective over every process of the launch (both roles in split placement): rank 0 of the launch runs
+    decide() and every process returns its (JSON-serialisable) result; if it raises, every process raises: rank 0
+    its own error, the others PeerFailed. For decisions only one process may take (the lock on a run directory)."""
+    key = f"nanorl/decided/{name}"
+    if _global_rank == 0:
+        try:
+            result = decide()
+        except Exception as e:
+            _store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
+        _store.set(key, json.dumps({"result": result}))
+        return result
+    message = json.loads(_store.get(key))  # waits for rank 0
+    if "error" in message:
+        raise errors.PeerFailed(f"rank 0 failed: {message['error']}")
+    return message["result"]
 
 
 def finish_distributed(exit_process: bool = False) -> None:
@@ -44,10 +77,11 @@ def finish_distributed(exit_process: bool = False) -> None:
 
 
 def quiet_libraries() -> None:
-    """Silences the progress bars and advice HF libraries print once per rank; our own logger speaks for all."""
-    import datasets
+    """Silences the progress bars and advice HF libraries print once per rank; our own logger speaks for all.
+    Through their environment variables, so that a library the run never uses is not imported for it."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import transformers
-    datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
@@ -61,7 +95,7 @@ def raise_on_all_ranks(error: BaseException | None) -> None:
         rank, message = failed[0]
         if error is not None and rank == dist.get_rank():
             raise error
-        raise RuntimeError(f"rank {rank} failed: {message}")
+        raise errors.PeerFailed(f"rank {rank} failed: {message}")
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -1,7 +1,13 @@
 """Logging for every script: one console line per step, a tqdm bar, W&B with --track, and per-stage timers.
 
 Only rank 0 prints, writes <output_dir>/metrics.jsonl and talks to W&B; metrics arriving here are already reduced
-over ranks.
+over ranks. Every step has its rows in metrics.jsonl exactly once, however often the run was killed and resumed:
+a step's rows are written (and synced to disk) before its training state is saved, and a resumed run first drops
+the rows after the state it resumes from, which it is about to redo. W&B gets each step once too. A killed run
+can lose the rows it sent last (W&B writes them in a process of its own, killed with it), so a resumed run sends
+again, from metrics.jsonl, every row from the first step W&B does not have (`run.step`: the server's count when
+online; offline, each segment's file repeats them and `wandb sync` keeps one row per step, as W&B ignores steps it
+has passed); rows of the steps W&B already has are not sent again.
 W&B respects WANDB_MODE (e.g. `WANDB_MODE=offline` writes the run under <output_dir>/wandb with no network).
 """
 
@@ -42,18 +48,47 @@ CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "loss/kl": "k
                 "eval/accuracy": "eval_acc"}
 
 
+def keep_rows_through(path: str, last_step: int) -> list[dict]:
+    """Rewrites the metrics file with only the rows of steps <= last_step (a half-written last line goes too);
+    returns those rows."""
+    if not os.path.isfile(path):
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                if row["step"] <= last_step:
+                    kept.append(row)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # the run died while writing this line
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return kept
+
+
 class Logger:
     def __init__(self, rank: int, total_steps: int, track: bool, project: str, run_name: str, config: dict,
                  output_dir: str, run_id: str | None = None, start_step: int = 0):
         self.is_main, self.run, self.metrics_file = rank == 0, None, None
+        self.wandb_from = 0  # the first step W&B does not have yet
         if self.is_main:  # every step's metrics as JSON lines, kept with the run (a resumed run appends)
             os.makedirs(output_dir, exist_ok=True)
-            self.metrics_file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+            path = os.path.join(output_dir, "metrics.jsonl")
+            kept = keep_rows_through(path, start_step) if start_step else []
+            self.metrics_file = open(path, "a")
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True) if self.is_main else None
         if track and self.is_main:
             import wandb
             self.run = wandb.init(project=project, name=run_name, config=config, dir=output_dir, id=run_id,
                                   resume="allow" if run_id else None)
+            self.wandb_from = self.run.step
+            for row in kept:  # what the killed run may not have got through to W&B
+                if row["step"] >= self.wandb_from:
+                    self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     @property
     def run_id(self) -> str | None:
@@ -66,10 +101,11 @@ class Logger:
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         if not self.is_main:
             return
-        if self.run is not None:
-            self.run.log(metrics, step=step)
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics_file.flush()
+        os.fsync(self.metrics_file.fileno())  # on disk before the step's state can be: a resume never lacks the row
+        if self.run is not None and step >= self.wandb_from:
+            self.run.log(metrics, step=step)
         times = " ".join(f"{k[5:]}={v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
         shown = " ".join(f"{short}={metrics[k]:.3g}" for k, short in CONSOLE_KEYS.items() if k in metrics)
         tqdm.write(f"step {step:>5} | {shown} | {times}")

@@ -9,12 +9,37 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 
+def check_model_source(model: str | None) -> None:
+    """One clear line for a --model that cannot be a model: a local path that is missing or not an HF model
+    directory (transformers would otherwise read it as a hub id, or ask for a tokenizer package)."""
+    if model is None:
+        return
+    local = os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if not local:
+        return  # a hub id: transformers says what is wrong with it
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"--model {model}: no such directory")
+    present = sorted(os.listdir(model))
+    if "config.json" not in present:
+        raise ValueError(f"--model {model}: not an HF model directory (no config.json; it holds "
+                         f"{present[:8] or 'nothing'})")
+    if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"} & set(present):
+        raise ValueError(f"--model {model}: the directory has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    if not any(name.endswith((".safetensors", ".bin", ".safetensors.index.json")) for name in present):
+        raise ValueError(f"--model {model}: the directory has no weights (*.safetensors)")
+
+
 def load_tokenizer(model: str | None):
+    check_model_source(model)
     if model is None:
         from common.synthetic import build_tiny_tokenizer
         tokenizer = build_tiny_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as e:  # hub unreachable, unknown id: transformers' message runs to pages
+            raise ValueError(f"--model {model}: could not load its tokenizer "
+                             f"({' '.join(str(e).split())[:240]})") from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -1,17 +1,18 @@
-"""Resumable training state, and the guards that let a long run survive preemption, hung rewards and NaNs.
+"""Resumable training state, and the guard that stops a run whose updates keep failing (NaN/inf).
 
 A training-state checkpoint holds everything needed to continue a run as if it never stopped: the sharded model
 and optimizer (torch.distributed.checkpoint, so a run can resume on a different number of ranks), the scheduler,
 step, data position, every rank's RNG, and small extras such as the W&B run id. The key idea is atomicity: all of
 it is written into `state_<step>.tmp/`, a `COMPLETE` marker goes in last, then the directory is renamed; a run
-killed mid-save leaves no directory that `latest_checkpoint` would pick. HF-format export is separate
-(sharding/checkpoint.py).
+killed mid-save leaves no directory that `latest_checkpoint` would pick. The marker lists every file with its
+size, so a state damaged later (a deleted or truncated shard) is recognised and the previous one used instead.
+HF-format export is separate (sharding/checkpoint.py).
 
     <output_dir>/state_000010/
         .metadata, __<rank>_0.distcp   model + optimizer shards (DCP)
         trainer_state.json             step, world size, scheduler, sampler, extra
         rng_rank<r>.pt                 Python, NumPy, torch (CPU and CUDA) RNG of rank r
-        COMPLETE
+        COMPLETE                       {"files": {name: size in bytes}}
 """
 
 import json
@@ -20,8 +21,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import threading
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from common.distributed import max_over_ranks, raise_on_all_ranks
+from common.distributed import raise_on_all_ranks
 
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -117,7 +116,8 @@ def save_training_state(path_root: str, step: int, model, optimizer, scheduler, 
 
     if rank == 0:
         try:
-            _write_synced(os.path.join(tmp, COMPLETE), lambda f: f.write(b"ok\n"))
+            files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+            _write_synced(os.path.join(tmp, COMPLETE), lambda f: f.write(json.dumps({"files": files}).encode()))
             _fsync_dir(tmp)
             if os.path.exists(final):  # saving the same step again: move the old one aside first, never half-delete
                 shutil.rmtree(final + ".old", ignore_errors=True)
@@ -138,6 +138,39 @@ def latest_checkpoint(path_root: str) -> str | None:
     steps = [int(match.group(1)) for name in os.listdir(path_root)
              if (match := CHECKPOINT_NAME.fullmatch(name)) and os.path.isfile(os.path.join(path_root, name, COMPLETE))]
     return os.path.join(path_root, f"state_{max(steps):06d}") if steps else None
+
+
+def checkpoint_damage(path: str) -> str | None:
+    """What is wrong with a complete checkpoint's files (missing or of another size than saved), or None."""
+    with open(os.path.join(path, COMPLETE)) as f:
+        try:
+            files = json.load(f)["files"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return None  # a marker from before manifests: nothing to check against
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes instead of {size}"
+    return None
+
+
+def newest_intact_checkpoint(path_root: str) -> tuple[str | None, list[str]]:
+    """The newest complete checkpoint whose files are all there, and a warning for each newer one that is damaged."""
+    warnings = []
+    if not os.path.isdir(path_root):
+        return None, warnings
+    steps = sorted((int(match.group(1)) for name in os.listdir(path_root)
+                    if (match := CHECKPOINT_NAME.fullmatch(name))
+                    and os.path.isfile(os.path.join(path_root, name, COMPLETE))), reverse=True)
+    for step in steps:
+        path = os.path.join(path_root, f"state_{step:06d}")
+        damage = checkpoint_damage(path)
+        if damage is None:
+            return path, warnings
+        warnings.append(f"warning: {path} is damaged ({damage}); using the previous complete state instead")
+    return None, warnings
 
 
 def read_trainer_state(path: str) -> dict:
@@ -169,7 +202,11 @@ def load_training_state(path: str, model, optimizer, scheduler, sampler) -> dict
     # dcp.load fills it from whatever sharding the checkpoint was written with.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # DCP raises on every rank; its message does not say which checkpoint
+        raise ValueError(f"could not load the training state {path} (damaged? --resume with an older state_<step> "
+                         f"directory uses that one): {' '.join(str(e).split())[:300]}") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(trainer_state["scheduler"])
@@ -226,53 +263,19 @@ def resolve_resume(spec: str, output_dir: str) -> str | None:
         hint = f"; did you mean {inside}?" if inside else ""
         raise ValueError(f"--resume {spec}: not a complete checkpoint (no {COMPLETE} marker: its save was interrupted "
                          f"or it is not a state_<step> directory){hint}")
+    if damage := checkpoint_damage(spec):
+        raise ValueError(f"--resume {spec}: the checkpoint is damaged ({damage})")
     return spec
 
 
-class PreemptionFlag:
-    """Remembers a SIGTERM (Slurm preemption, torchrun shutdown) or SIGUSR1 so the loop can save and exit cleanly.
-
-    The handler only sets a flag: saving needs collectives, which cannot run inside a signal handler at an
-    arbitrary point of the step. should_stop() is checked once per step, on every rank.
-    """
-
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
-        self.received: str | None = None  # name of the first signal received
-        for sig in signals:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = self.received or signal.Signals(signum).name
-
-    def should_stop(self, device: torch.device) -> bool:
-        """Collective: True on every rank if any rank got a signal, so all ranks stop after the same step."""
-        return max_over_ranks(int(self.received is not None), device) > 0
-
-
-def call_with_timeout(fn, args: tuple, timeout_s: float | None):
-    """(fn(*args), False), or (None, True) if it takes longer than timeout_s seconds (None: no limit).
-
-    fn runs in a daemon thread: a call that hangs is abandoned, not killed (Python cannot kill a thread), so it
-    keeps a core busy until it returns or the process exits. Exceptions from fn are raised here.
-    """
-    if timeout_s is None:
-        return fn(*args), False
-    result = {}
-
-    def target():
-        try:
-            result["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return None, True
-    if "error" in result:
-        raise result["error"]
-    return result["value"], False
+def set_hyperparameters(optimizer, scheduler, lr: float, weight_decay: float) -> None:
+    """After loading a state: the learning rate and weight decay of this launch's flags, not the saved ones (the
+    optimizer's state dict carries its hyperparameters). The schedule (a LambdaLR) keeps its position."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["lr"], group["weight_decay"] = lr, lr * factor, weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def is_bad_number(x) -> bool:

@@ -2,35 +2,41 @@
 
 Built-in rewards check a math answer with math-verify, which compares parsed expressions
 (so "0.5", "\\frac{2}{4}" and "\\frac{1}{2}" all match). `load_reward_fn` also loads any
-`path/to/file.py:function_name` with the same signature, and `compute_rewards` scores a batch,
-failing loudly on the first sample whose reward raises or is not a finite number. `RewardScorer` scores groups
-of responses in background processes as the rollout engine hands them over, so that scoring the groups that
-finished early hides behind the generation of the rest.
+`path/to/file.py:function_name` with the same signature.
+
+`RewardScorer` runs the reward function in worker processes of its own, never in the training process: groups of
+responses are scored as soon as the rollout engine hands them over (so scoring hides behind the generation of the
+rest), a call that overruns its time limit is really stopped (its process is killed and replaced: a thread could
+only be abandoned, and some calls, a huge integer power, cannot be interrupted at all), and a stop signal never
+waits behind a stuck reward. A reward that raises or returns something other than a finite number stops the run
+with a message naming the sample.
 """
 
-import concurrent.futures
+import collections
 import importlib.util
 import math
-import multiprocessing
 import numbers
 import os
+import pickle
 import re
+import select
 import signal
+import struct
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-from common.resume import call_with_timeout
+from common import errors, signals
 
 RewardFn = Callable[[str, str, str], float]
 BUILTIN_REWARDS = ("gsm8k", "math", "synthetic")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # "1,234.5", "-3", "72"
 
 
+@errors.user_error
 class RewardError(RuntimeError):
     """A reward function raised or returned a bad value; the message names the sample."""
 
@@ -38,6 +44,8 @@ class RewardError(RuntimeError):
 def _equivalent(gold: str, prediction: str, config: list) -> bool:
     # math-verify times out with signal.alarm, which raises ValueError outside the main thread,
     # so off the main thread we go without a timeout rather than fail.
+    from math_verify import parse, verify  # imported here: sympy is slow to import and most rewards never need it
+
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     # parse returns [] on text it cannot read and verify returns False on [], so garbage scores 0.
     gold_parsed = parse(gold, extraction_config=config, parsing_timeout=timeout)
@@ -60,8 +68,8 @@ def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
     prediction = _gsm8k_prediction(completion)
     if prediction is None:
         return 0.0
-    config = [LatexExtractionConfig(), ExprExtractionConfig()]
-    return float(_equivalent(gold, prediction, config))
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+    return float(_equivalent(gold, prediction, [LatexExtractionConfig(), ExprExtractionConfig()]))
 
 
 def last_boxed(text: str) -> str | None:
@@ -88,6 +96,7 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     if prediction is None:
         return 0.0
     # We cut the boxed content out ourselves: with several boxes math-verify may read them as a set.
+    from math_verify import LatexExtractionConfig
     config = [LatexExtractionConfig(boxed_match_priority=0)]
     return float(_equivalent(f"$\\boxed{{{gold}}}$", f"$\\boxed{{{prediction}}}$", config))
 
@@ -129,106 +138,268 @@ def _shorten(text: str, limit: int = 200) -> str:
     return repr(text if len(text) <= limit else text[:limit] + f"... [{len(text)} chars]")
 
 
-def compute_rewards(reward_fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-    """reward_fn(prompt, completion, answer) for each sample, as floats; RewardError on the first bad one."""
-    if not len(prompts) == len(completions) == len(answers):
-        raise ValueError(f"got {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers")
-    rewards = []
-    for i, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers)):
-        sample = f"\n  prompt: {_shorten(prompt)}\n  completion: {_shorten(completion)}\n  answer: {_shorten(answer)}"
-        try:
-            reward = reward_fn(prompt, completion, answer)
-        except Exception as e:
-            raise RewardError(f"reward function raised on sample {i}: {type(e).__name__}: {e}{sample}") from e
-        # bool is a numbers.Real, so True/False count as 1/0
-        if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-            raise RewardError(f"reward function returned {reward!r} on sample {i}, not a finite number{sample}")
-        rewards.append(float(reward))
-    return rewards
+def checked_reward(value, where: str, prompt: str, completion: str, answer: str) -> float:
+    """value as a float; RewardError naming the sample if it is not a finite number (bool counts as 0/1)."""
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RewardError(f"reward function returned {value!r} on {where}, not a finite number"
+                          f"{_sample(prompt, completion, answer)}")
+    return float(value)
 
 
-def score_group(reward_fn: RewardFn, timeout_s: float | None, prompts: list[str], completions: list[str],
-                answers: list[str]) -> tuple[list[float], int]:
-    """compute_rewards with each call limited to timeout_s seconds (a slower call scores 0): (rewards, timeouts)."""
-    timeouts = 0
-
-    def bounded(prompt, completion, answer):
-        nonlocal timeouts
-        value, timed_out = call_with_timeout(reward_fn, (prompt, completion, answer), timeout_s)
-        timeouts += timed_out
-        return 0.0 if timed_out else value
-
-    return compute_rewards(bounded, prompts, completions, answers), timeouts
+def _sample(prompt: str, completion: str, answer: str) -> str:
+    return f"\n  prompt: {_shorten(prompt)}\n  completion: {_shorten(completion)}\n  answer: {_shorten(answer)}"
 
 
-# In a scoring process: the reward function and time limit, set once by _start_worker.
-_worker_reward: tuple[RewardFn, float | None] | None = None
+# ---------------------------------------------------------------------------------------------------------------
+# Reward processes. Messages are pickles behind an 8-byte length, over the worker's stdin and a copy of its stdout
+# (the reward function's own prints go to stderr).
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _start_worker(spec: str, timeout_s: float | None, parent: int) -> None:
-    global _worker_reward
-    _worker_reward = (load_reward_fn(spec), timeout_s)
-    # Ctrl-C and Slurm's SIGTERM reach every process of the job: the rank decides what happens (finish the step,
-    # save, close the scorer), so its scorer must not die under it.
+def _send(fd: int, message) -> None:
+    data = pickle.dumps(message)
+    data = struct.pack(">Q", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def worker_main() -> None:
+    """A reward process: load the reward function once, then answer one call at a time until stdin closes."""
+    spec, parent = sys.argv[1], int(sys.argv[2])
+    out = os.dup(1)
+    os.dup2(2, 1)  # print() in a reward function must not mix with the messages
+    # Ctrl-C and Slurm's SIGTERM reach every process of the job: the rank decides what happens, and kills this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:  # Linux: die with the rank even while stuck in C code (a thread could not run to notice)
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        return
+    try:
+        reward_fn = load_reward_fn(spec)
+    except Exception as e:  # noqa: BLE001 - reported by the rank
+        return _send(out, ("failed", f"{type(e).__name__}: {e}"))
+    _send(out, ("ready", None))
+    while (header := _read_exactly(0, 8)) is not None:
+        prompt, completion, answer = pickle.loads(_read_exactly(0, struct.unpack(">Q", header)[0]))
+        try:
+            value = reward_fn(prompt, completion, answer)
+            _send(out, ("ok", value if isinstance(value, numbers.Real) else _OtherValue(value)))
+        except Exception as e:  # noqa: BLE001 - reported by the rank, naming the sample
+            _send(out, ("error", f"{type(e).__name__}: {e}"))
 
-    def exit_with_parent():  # a rank that dies without closing its scorer (SIGKILL, os._exit) leaves no orphans
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(1)
 
-    threading.Thread(target=exit_with_parent, daemon=True).start()
+class _OtherValue:
+    """What the rank receives for a returned value of another type: its repr, for the error message."""
+
+    def __init__(self, value):
+        self.text = repr(value)
+
+    def __repr__(self):
+        return self.text
 
 
-def _score_in_worker(prompts: list[str], completions: list[str], answers: list[str]) -> tuple[list[float], int]:
-    return score_group(*_worker_reward, prompts, completions, answers)
+class _Worker:
+    """One reward process and the call it is working on."""
+
+    def __init__(self, spec: str):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from common.rewards import worker_main; worker_main()", spec, str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.fd, self.buffer = self.process.stdout.fileno(), b""
+        self.ready, self.call, self.started = False, None, 0.0
+
+    def start(self, call: tuple) -> None:
+        self.call, self.started = call, time.monotonic()
+        _send(self.process.stdin.fileno(), call[3:])
+
+    def read(self) -> list | None:
+        """The complete messages that have arrived (call when select says fd is readable); None: the process ended."""
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            return None
+        self.buffer += chunk
+        messages = []
+        while len(self.buffer) >= 8 and len(self.buffer) >= 8 + (size := struct.unpack(">Q", self.buffer[:8])[0]):
+            messages.append(pickle.loads(self.buffer[8:8 + size]))
+            self.buffer = self.buffer[8 + size:]
+        return messages
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for f in (self.process.stdin, self.process.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 class RewardScorer:
-    """Scores groups of responses (one prompt's samples each) against their prompt and answer.
+    """Scores groups of responses (one prompt's samples each) against their prompt and answer, in `workers`
+    processes of its own.
 
-    `submit(key, ...)` queues a group as soon as it is generated; `collect()` returns the rewards of every group
-    queued since the last collect, ordered by key. With workers > 0 the groups are scored right away in that many
-    processes (started fresh, so they share no lock or CUDA state with this one, and math-verify can use its
-    signal-based timeouts there), while this process goes on generating; with 0 they are scored in this process
-    by collect, after generation.
+    `submit(key, prompts, completions, answers)` queues a group as soon as it is generated, and returns at once: a
+    thread of this process hands the calls to idle workers, one at a time, and collects the results. `collect()`
+    waits for every group queued since the last collect and returns their rewards ordered by key, with the number
+    of calls that ran past `timeout_s` (they score 0: their process is killed and replaced). A reward that raises,
+    returns a non-number or kills its process makes collect raise RewardError naming the sample.
     """
 
-    def __init__(self, spec: str, timeout_s: float | None = None, workers: int = 0):
-        self.reward_fn, self.timeout_s = load_reward_fn(spec), timeout_s  # a bad spec fails here, with its message
-        self.pool = None
-        if workers > 0:
-            self.pool = concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-                initargs=(spec, timeout_s, os.getpid()))
-        self.pending: dict[int, object] = {}  # key -> future (workers) or the group's arguments (in process)
+    def __init__(self, spec: str, timeout_s: float | None = None, workers: int = 1):
+        load_reward_fn(spec)  # a bad spec fails here, in the rank, with its message
+        if workers < 1:
+            raise ValueError(f"--reward-workers must be at least 1, got {workers}")
+        self.spec, self.timeout_s = spec, timeout_s
+        self.workers = [_Worker(spec) for _ in range(workers)]
+        self.lock = threading.Condition()
+        self.queue = collections.deque()  # calls not started: (round, key, index, prompt, completion, answer)
+        self.round = 0  # one per collect: a call still under way from a failed round must not land in the next
+        self.groups: dict[int, list] = {}  # key -> rewards of its samples (None: not scored yet)
+        self.unscored = self.timeouts = 0
+        self.error: Exception | None = None
+        self.closed = False
+        self.wake_read, self.wake_write = os.pipe()  # submit and close wake the thread from its select
+        errors.on_abort(self.kill)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
     def submit(self, key: int, prompts: list[str], completions: list[str], answers: list[str]) -> None:
-        if key in self.pending:
-            raise ValueError(f"group {key} was submitted twice")
-        args = (prompts, completions, answers)
-        self.pending[key] = self.pool.submit(_score_in_worker, *args) if self.pool else args
+        if not len(prompts) == len(completions) == len(answers):
+            raise ValueError(f"got {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers")
+        with self.lock:
+            if key in self.groups:
+                raise ValueError(f"group {key} was submitted twice")
+            self.groups[key] = [None] * len(prompts)
+            self.queue.extend((self.round, key, i, p, c, a)
+                              for i, (p, c, a) in enumerate(zip(prompts, completions, answers)))
+            self.unscored += len(prompts)
+        os.write(self.wake_write, b"x")
 
-    def collect(self) -> tuple[list[list[float]], int]:
-        """(rewards of each group by key, reward calls that timed out); raises the first failing group's error."""
-        pending, self.pending = self.pending, {}
-        rewards, timeouts = [], 0
-        for key in sorted(pending):
-            if self.pool:
-                try:
-                    group_rewards, group_timeouts = pending[key].result()
-                except concurrent.futures.process.BrokenProcessPool as e:
-                    raise RewardError(f"a reward process died while scoring group {key} (a crash or os._exit "
-                                      f"in the reward function?): {e}") from e
-            else:
-                group_rewards, group_timeouts = score_group(self.reward_fn, self.timeout_s, *pending[key])
-            rewards.append(group_rewards)
-            timeouts += group_timeouts
-        return rewards, timeouts
+    def collect(self, stop_grace_s: float = 5.0) -> tuple[list[list[float]], int]:
+        """(rewards of each group by key, reward calls that timed out). After a stop signal, waits at most
+        stop_grace_s more, then gives up on the step (errors.StopRequested)."""
+        stop_deadline = None
+        with self.lock:
+            while self.unscored and self.error is None:
+                self.lock.wait(0.1)
+                if signals.stop_requested() and self.unscored:
+                    stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
+                    if time.monotonic() > stop_deadline:
+                        raise errors.StopRequested(f"{signals.stop_requested()} arrived while {self.unscored} reward "
+                                                   f"calls were still running; this step was abandoned")
+            if self.error is not None:  # the step is lost: forget its calls (those under way are ignored later)
+                error, self.error = self.error, None
+                self.groups, self.unscored, self.timeouts = {}, 0, 0
+                self.queue.clear()
+                self.round += 1
+                raise error
+            groups, self.groups = self.groups, {}
+            timeouts, self.timeouts = self.timeouts, 0
+            self.round += 1
+        return [groups[key] for key in sorted(groups)], timeouts
+
+    def _serve(self) -> None:
+        """The thread: start queued calls on idle workers, read results, stop calls that overrun."""
+        try:
+            while not self.closed:
+                with self.lock:
+                    for worker in self.workers:
+                        if worker.ready and worker.call is None and self.queue:
+                            worker.start(self.queue.popleft())
+                now = time.monotonic()
+                busy = [w for w in self.workers if w.call is not None]
+                wait = 1.0 if self.timeout_s is None or not busy else \
+                    max(0.0, min(w.started + self.timeout_s for w in busy) - now)
+                readable, _, _ = select.select([self.wake_read] + [w.fd for w in self.workers], [], [], wait)
+                if self.wake_read in readable:
+                    os.read(self.wake_read, 1 << 16)
+                for worker in [w for w in self.workers if w.fd in readable]:
+                    self._receive(worker)
+                if self.timeout_s is not None:
+                    for worker in [w for w in self.workers if w.call and time.monotonic() - w.started > self.timeout_s]:
+                        self._replace(worker)
+        except Exception as e:  # noqa: BLE001 - handed to collect
+            with self.lock:
+                self.error = self.error or e
+                self.lock.notify_all()
+
+    def _receive(self, worker: _Worker) -> None:
+        messages = worker.read()
+        with self.lock:
+            if messages is None:  # the process ended
+                what = f"while scoring sample {worker.call[2]} of group {worker.call[1]}{_sample(*worker.call[3:])}" \
+                    if worker.call else "while loading the reward"
+                self.error = self.error or RewardError(
+                    f"a reward process died {what} (a crash or os._exit in the reward function?)")
+                worker.call = None
+                self.workers.remove(worker)
+                worker.kill()
+            for kind, value in messages or []:
+                if kind == "ready":
+                    worker.ready = True
+                elif kind == "failed":
+                    self.error = self.error or RewardError(f"the reward could not be loaded in its process: {value}")
+                else:
+                    round_, key, index, prompt, completion, answer = worker.call
+                    worker.call = None
+                    if round_ != self.round:
+                        continue
+                    where = f"sample {index} of group {key}"
+                    try:
+                        if kind == "error":
+                            raise RewardError(f"reward function raised on {where}: {value}"
+                                              f"{_sample(prompt, completion, answer)}")
+                        self._record(key, index, checked_reward(value, where, prompt, completion, answer))
+                    except RewardError as e:
+                        self.error = self.error or e
+            self.lock.notify_all()
+
+    def _record(self, key: int, index: int, reward: float) -> None:
+        self.groups[key][index] = reward
+        self.unscored -= 1
+
+    def _replace(self, worker: _Worker) -> None:
+        """A call ran past the time limit: it scores 0, and its process (maybe stuck for good) makes way for a new one."""
+        with self.lock:
+            round_, key, index = worker.call[:3]
+            if round_ == self.round:
+                self._record(key, index, 0.0)
+                self.timeouts += 1
+            self.workers[self.workers.index(worker)] = _Worker(self.spec)
+            self.lock.notify_all()
+        worker.kill()
+
+    def kill(self) -> None:
+        """Stops every reward process at once (also those stuck in a call)."""
+        self.closed = True
+        for worker in list(self.workers):
+            worker.kill()
 
     def close(self) -> None:
-        """Stops the scoring processes; call before os._exit, which skips the interpreter's own shutdown."""
-        if self.pool:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
+        """Stops the thread and the reward processes; call before leaving (os._exit skips the usual clean-up)."""
+        if self.closed:
+            return
+        self.closed = True
+        os.write(self.wake_write, b"x")
+        self.thread.join()
+        self.kill()
+        os.close(self.wake_read)
+        os.close(self.wake_write)

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.distributed import use_store
 from sharding.vllm_sync import buckets, hf_name, num_bytes
 
 
@@ -45,6 +46,7 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
         raise ValueError("--rollout-ranks needs several processes: launch with torchrun --nproc_per_node N")
     store, global_rank, global_world = next(dist.rendezvous("env://"))
     store.set_timeout(timedelta(minutes=timeout_minutes))
+    use_store(store, global_rank)
     num_trainers = global_world - num_rollout
     if not 0 < num_rollout < global_world:
         raise ValueError(f"--rollout-ranks {num_rollout} must leave at least one of the {global_world} ranks to train")

@@ -1,7 +1,9 @@
 """HF-format checkpoints out of FSDP2 shards: a directory that `from_pretrained` and vLLM load as they are.
 
 Each parameter is gathered one at a time and offloaded to CPU (torch.distributed.checkpoint's full state dict with
-cpu_offload), so no GPU ever holds more than one full tensor; rank 0 writes safetensors, config and tokenizer.
+cpu_offload), so no GPU ever holds more than one full tensor; rank 0 writes safetensors, config and tokenizer, and
+checks that `AutoTokenizer` reads the tokenizer back as the one that trained (transformers picks a tokenizer class
+by model type, which for some types ignores the saved tokenizer: the model would then load with other token ids).
 """
 
 import json
@@ -12,11 +14,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from common.distributed import raise_on_all_ranks
 
-def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str, dtype: torch.dtype) -> None:
+
+def check_tokenizer_round_trip(tokenizer, path: str, probes: list[str]) -> None:
+    """Raises if AutoTokenizer.from_pretrained(path) encodes `probes` differently from `tokenizer`."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(path)
+    for text in probes:
+        if loaded(text)["input_ids"] != tokenizer(text)["input_ids"]:
+            raise ValueError(f"the tokenizer saved in {path} loads back as {type(loaded).__name__}, which encodes "
+                             f"{text[:60]!r} differently from the {type(tokenizer).__name__} that trained")
+
+
+def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str, dtype: torch.dtype,
+                       probes: tuple[str, ...] = ("Hello, world! 12 + 34 = 46",)) -> None:
     """Collective: every rank calls it. Saves the weights in `dtype` (the original checkpoint's, usually bf16;
-    the trainer's master weights are fp32). Atomic: a killed save never leaves a half directory at `path`."""
+    the trainer's master weights are fp32). Atomic: a killed save never leaves a half directory at `path`.
+    probes: texts the saved tokenizer must encode as `tokenizer` does (a few of the run's prompts)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error = None
     if dist.get_rank() == 0:
         state = {k: v.to(dtype) for k, v in state.items()}
         tmp = path.rstrip("/") + ".tmp"
@@ -30,6 +48,10 @@ def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str, dtype: torc
         config["dtype"] = str(dtype).removeprefix("torch.")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2)
+        try:
+            check_tokenizer_round_trip(tokenizer, tmp, list(probes))
+        except ValueError as e:
+            error = e
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-    dist.barrier()
+    raise_on_all_ranks(error)  # also the barrier: no rank goes on before the export is in place

@@ -1,3 +1,4 @@
+import gzip
 import json
 import sys
 import types
@@ -14,10 +15,14 @@ ROWS = [{"question": "one plus one", "answer": 2}, {"question": "two plus two", 
 
 
 def write_rows(path, rows):
-    if path.suffix == ".jsonl":
+    if path.name.endswith(".jsonl"):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif path.name.endswith(".jsonl.gz"):
+        path.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
     elif path.suffix == ".json":
         path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        path.write_text("question,answer\n" + "".join(f"{r['question']},{r['answer']}\n" for r in rows))
     else:
         datasets.Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
@@ -35,11 +40,36 @@ def make_tokenizer():
 # ---- loading ----
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv", ".jsonl.gz"])
 def test_load_local_file(tmp_path, suffix):
     path = write_rows(tmp_path / f"data{suffix}", ROWS)
     rows = load_rows(path, "ignored", "question", "answer")
     assert rows == [{"prompt": "one plus one", "answer": "2"}, {"prompt": "two plus two", "answer": "4"}]
+
+
+def test_unknown_local_format_is_named(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("one plus one\n")
+    with pytest.raises(ValueError, match="a local file must end in one of .jsonl, .json, .parquet, .csv"):
+        load_rows(str(path), "train", "question", "answer")
+
+
+def test_conversation_prompts(tmp_path):
+    """A prompt column of chat messages (the conversational format of many hub datasets): the template renders the
+    whole conversation; the reward sees the last user message."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one plus one"}]
+    path = write_rows(tmp_path / "chat.jsonl", [{"question": messages, "answer": 2}])
+    rows = load_rows(path, "train", "question", "answer")
+    assert rows == [{"prompt": "one plus one", "answer": "2", "messages": messages}]
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    kept, _ = tokenize_prompts(rows, tokenizer, max_prompt_len=100)
+    assert tokenizer.decode(kept[0]["prompt_ids"]) == "[UNK] : [UNK] [UNK] user : one plus one"
+    with pytest.raises(ValueError, match="conversations .* need the tokenizer's chat template"):
+        tokenize_prompts(rows, make_tokenizer(), max_prompt_len=100)
+    bad = write_rows(tmp_path / "bad.jsonl", [{"question": [{"role": "assistant", "content": "hi"}], "answer": 1}])
+    with pytest.raises(ValueError, match="row 0 column 'question': the conversation has no 'user' message"):
+        load_rows(bad, "train", "question", "answer")
 
 
 def test_missing_file_is_named(tmp_path):
@@ -122,6 +152,13 @@ def test_local_file_hold_out_is_seeded_and_disjoint(tmp_path):
     assert other_eval != evaluation
     with pytest.raises(ValueError, match="eval_size"):
         load_train_eval(path, "question", "answer", eval_size=20)
+
+
+@pytest.mark.parametrize("num_rows, held_out", [(36, 3), (300, 30), (5000, 256), (9, 1)])
+def test_default_hold_out_is_a_tenth_of_a_small_file(tmp_path, num_rows, held_out):
+    path = write_rows(tmp_path / "data.jsonl", [{"question": f"q{i}", "answer": i} for i in range(num_rows)])
+    train, evaluation = load_train_eval(path, "question", "answer")
+    assert len(evaluation) == held_out and len(train) == num_rows - held_out
 
 
 def fake_hub(monkeypatch, splits):

@@ -128,10 +128,17 @@ def test_two_ranks_match_one_rank(tmp_path, loss_agg):
     (dict(rollout_tp=2, prompts_per_step=12), 3, "--rollout-tp"),
     (dict(max_tokens_per_micro_batch=100, max_prompt_len=64, max_response_len=64), 1, "one whole sequence"),
     (dict(num_mini_batches=1000), 1, "--num-mini-batches"),
-    (dict(reward_workers=-1), 1, "--reward-workers"),
+    (dict(reward_workers=0), 1, "--reward-workers must be at least 1"),
+    (dict(lr=-1e-3), 1, "--lr must be greater than 0, got -0.001"),
+    (dict(lr=0.0), 1, "--lr must be greater than 0"),  # an explicit 0 is refused, not replaced by the default
+    (dict(temperature=0.0), 1, "--temperature must be greater than 0, got 0.0 \\(greedy"),
+    (dict(max_response_len=0), 1, "--max-response-len must be at least 1, got 0"),
+    (dict(top_p=1.5), 1, "--top-p must be at most 1"),
+    (dict(eval_size=0), 1, "--eval-size must be at least 1"),
+    (dict(reward_timeout=0.0), 1, "--reward-timeout must be greater than 0"),
 ])
-def test_invalid_flag_combinations(flags, world, message):
-    args = grpo.Args(**{"max_response_len": 2, **flags})
+def test_invalid_flag_values_and_combinations(flags, world, message):
+    args = grpo.Args(**{"max_response_len": 2, "lr": 1e-3, **flags})
     with pytest.raises(ValueError, match=message):
         grpo.check_args(args, world)
     grpo.check_args(grpo.Args(max_response_len=2), 1)  # the defaults pass

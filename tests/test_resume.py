@@ -1,6 +1,6 @@
 """Training-state checkpoints: save -> load restores everything exactly (on the same and on a different number of
-gloo ranks), incomplete checkpoints are never picked, pruning, --resume resolution, the preemption flag, reward
-timeouts, the bad-step counter, and the Slurm launcher's rendezvous / preemption / requeue path on one machine."""
+gloo ranks), incomplete or damaged checkpoints are never picked, pruning, --resume resolution, new flags applied
+on resume, the bad-step counter, and the Slurm launcher's rendezvous / preemption / requeue path on one machine."""
 
 import json
 import os
@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.resume import (BadStepCounter, PreemptionFlag, call_with_timeout, is_bad_number, latest_checkpoint,
-                           load_training_state, prune_checkpoints, read_trainer_state, resolve_resume,
-                           save_training_state)
+from common.resume import (BadStepCounter, checkpoint_damage, is_bad_number, latest_checkpoint, load_training_state,
+                           newest_intact_checkpoint, prune_checkpoints, read_trainer_state, resolve_resume,
+                           save_training_state, set_hyperparameters)
 from gloo import finish_gloo, free_port, init_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,34 +189,54 @@ def test_resolve_resume(tmp_path):
         resolve_resume(str(tmp_path), "elsewhere")
 
 
-def preemption_worker(rank: int, world: int, port: int, out: str):
-    init_gloo(rank, world, port)
-    flag = PreemptionFlag()
-    before = flag.should_stop(CPU)
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGTERM)  # only one rank is signalled
-    dist.barrier()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"before": before, "after": flag.should_stop(CPU), "received": flag.received}, f)
-    finish_gloo()
+def test_damaged_checkpoints_are_recognised_and_skipped(tmp_path):
+    """The COMPLETE marker lists each file's size: a deleted or truncated file makes the state damaged, and
+    --resume auto falls back to the newest intact one with a warning naming the damaged directory."""
+    def state(step: int, files: dict) -> str:
+        path = tmp_path / f"state_{step:06d}"
+        path.mkdir()
+        for name, data in files.items():
+            (path / name).write_bytes(data)
+        (path / "COMPLETE").write_text(json.dumps({"files": {n: len(d) for n, d in files.items()}}))
+        return str(path)
+
+    files = {"__0_0.distcp": b"x" * 100, "trainer_state.json": b"{}"}
+    old, middle, new = state(2, files), state(4, files), state(6, files)
+    assert checkpoint_damage(new) is None and newest_intact_checkpoint(str(tmp_path)) == (new, [])
+    os.truncate(os.path.join(new, "__0_0.distcp"), 10)
+    os.remove(os.path.join(middle, "trainer_state.json"))
+    assert checkpoint_damage(new) == "__0_0.distcp has 10 bytes instead of 100"
+    assert checkpoint_damage(middle) == "trainer_state.json is missing"
+    path, warnings = newest_intact_checkpoint(str(tmp_path))
+    assert path == old and len(warnings) == 2
+    assert new in warnings[0] and "__0_0.distcp" in warnings[0] and middle in warnings[1]
+    with pytest.raises(ValueError, match="damaged"):
+        resolve_resume(new, str(tmp_path))
+    make_checkpoint(tmp_path, 8)  # a marker from before manifests ("ok"): nothing to check, trusted
+    assert newest_intact_checkpoint(str(tmp_path))[0] == str(tmp_path / "state_000008")
 
 
-def test_preemption_flag_stops_every_rank(tmp_path):
-    mp.spawn(preemption_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["before"] for r in results] == [False, False]
-    assert [r["after"] for r in results] == [True, True]  # the rank without the signal stops too
-    assert [r["received"] for r in results] == [None, "SIGTERM"]
+def test_resumed_optimizer_takes_this_launchs_learning_rate():
+    """A state saved with lr 1e-2 and weight decay 0.1, three updates into a 4-step warmup, resumed with lr 1e-3 and
+    no weight decay: the schedule keeps its position, the values are the new flags' (lr x 4/4 by hand)."""
+    def build_optimizer():
+        optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-2, weight_decay=0.1)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
 
-
-def test_call_with_timeout():
-    assert call_with_timeout(lambda a, b: a + b, (2, 3), timeout_s=5) == (5, False)
-    assert call_with_timeout(lambda a, b: a + b, (2, 3), timeout_s=None) == (5, False)
-    start = time.perf_counter()
-    assert call_with_timeout(time.sleep, (10,), timeout_s=0.2) == (None, True)
-    assert time.perf_counter() - start < 2
-    with pytest.raises(ZeroDivisionError):
-        call_with_timeout(lambda: 1 / 0, (), timeout_s=5)
+    optimizer, scheduler = build_optimizer()
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    saved = scheduler.state_dict(), optimizer.state_dict()
+    optimizer, scheduler = build_optimizer()
+    scheduler.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    set_hyperparameters(optimizer, scheduler, lr=1e-3, weight_decay=0.0)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3) and scheduler.get_last_lr() == [pytest.approx(1e-3)]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.0
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
 
 
 def test_bad_step_counter():
@@ -259,10 +279,11 @@ import os, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from common.distributed import finish_distributed
-from common.resume import PreemptionFlag, load_training_state, resolve_resume, save_training_state
+from common.resume import load_training_state, resolve_resume, save_training_state
+from common.signals import install_stop_handlers, stop_agreed, stop_requested
 
 output_dir, max_steps = sys.argv[1], int(sys.argv[2])
-flag = PreemptionFlag()
+install_stop_handlers()
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -273,15 +294,15 @@ path, step = resolve_resume("auto", output_dir), 0
 if path:
     step = load_training_state(path, model, optimizer, None, None)["step"]
 print(f"rank {rank} of {world} on node {os.environ['SLURM_NODEID']} starts at step {step}", flush=True)
-while step < max_steps and not flag.should_stop(torch.device("cpu")):
+while step < max_steps and not stop_agreed(torch.device("cpu")):
     model(torch.randn(4, 8)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
     step += 1
     open(os.path.join(output_dir, f"running_rank{rank}"), "w").close()
     time.sleep(0.05)
-save_training_state(output_dir, step, model, optimizer, None, None, {"signal": flag.received})
-print(f"rank {rank} saved step {step}, signal {flag.received}", flush=True)
+save_training_state(output_dir, step, model, optimizer, None, None, {"signal": stop_requested()})
+print(f"rank {rank} saved step {step}, signal {stop_requested()}", flush=True)
 finish_distributed(exit_process=True)  # a gloo thread can abort the interpreter's shutdown under load
 """
 

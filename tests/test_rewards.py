@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from common.rewards import (RewardError, RewardScorer, compute_rewards, gsm8k_reward, last_boxed, load_reward_fn,
+from common.rewards import (RewardError, RewardScorer, checked_reward, gsm8k_reward, last_boxed, load_reward_fn,
                             math_reward)
 
 GSM8K_ANSWER = (
@@ -138,50 +138,35 @@ def test_load_unknown_reward_name_lists_known_ones():
         assert word in str(info.value)
 
 
-def test_compute_rewards_converts_to_float():
-    rewards = compute_rewards(lambda p, c, a: c == a, ["p1", "p2", "p3"], ["x", "y", "z"], ["x", "x", "z"])
-    assert rewards == [1.0, 0.0, 1.0] and all(type(r) is float for r in rewards)
-    assert compute_rewards(lambda p, c, a: len(c), ["p"], ["abc"], ["a"]) == [3.0]
-
-
-def test_compute_rewards_names_the_sample_that_raised():
-    def reward_fn(prompt, completion, answer):
-        if completion == "bad":
-            raise KeyError("missing field")
-        return 1.0
-
-    long_prompt = "Question two: " + "x" * 1000
-    with pytest.raises(RewardError) as info:
-        compute_rewards(reward_fn, ["q1", long_prompt, "q3"], ["ok", "bad", "bad"], ["a1", "a2", "a3"])
-    message = str(info.value)
-    assert "sample 1" in message and "Question two" in message and "'bad'" in message and "'a2'" in message
-    assert "KeyError" in message and "missing field" in message
-    assert "q3" not in message  # only the first failing sample
-    assert len(message) < 1000  # the long prompt was shortened
-    assert isinstance(info.value.__cause__, KeyError)
+@pytest.mark.parametrize("value, expected", [(True, 1.0), (0, 0.0), (0.25, 0.25)])
+def test_checked_reward_converts_to_float(value, expected):
+    reward = checked_reward(value, "sample 0", "p", "c", "a")
+    assert reward == expected and type(reward) is float
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, None, "1.0", [1.0]])
-def test_compute_rewards_rejects_non_finite_or_non_number(bad):
+def test_checked_reward_rejects_non_finite_or_non_number(bad):
     with pytest.raises(RewardError) as info:
-        compute_rewards(lambda p, c, a: bad if c == "b" else 0.0, ["pa", "pb"], ["a", "b"], ["x", "y"])
+        checked_reward(bad, "sample 1 of group 0", "pb", "b", "y")
     assert "sample 1" in str(info.value) and repr(bad) in str(info.value) and "'pb'" in str(info.value)
 
 
-def test_compute_rewards_length_mismatch():
-    with pytest.raises(ValueError, match="2 prompts, 1 completions"):
-        compute_rewards(gsm8k_reward, ["p", "q"], ["c"], ["a"])
-
-
-# A reward file for the scorer tests: 1.0 for "yes"; "slow" sleeps (timeouts); "raise" and "die" fail.
-SCORER_REWARD = """import os, time
+# A reward file for the scorer tests: 1.0 for "yes"; "slow" sleeps (timeouts); "stuck" loops for good inside one C
+# call (no thread or signal handler can interrupt it); "raise", "nan" and "die" fail.
+SCORER_REWARD = """import itertools, os, time
 def reward(prompt, completion, answer):
     if completion == "slow":
         time.sleep(5)
+    if completion == "stuck":
+        return float(sum(itertools.repeat(1)))
     if completion == "raise":
         raise KeyError("no such field")
+    if completion == "nan":
+        return float("nan")
     if completion == "die":
         os._exit(3)
+    if completion == "print":
+        print("a reward that prints")
     return float(completion == answer) + 0.5 * float(prompt == "bonus")
 """
 
@@ -192,13 +177,22 @@ def scorer_reward(tmp_path):
     return f"{tmp_path / 'scorer_reward.py'}:reward"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+def alive(pid: int) -> bool:
+    """A zombie has exited; it only waits for a reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("workers", [1, 2])
 def test_scorer_orders_groups_by_key_and_counts_timeouts(scorer_reward, workers):
     """Groups arrive in the order they finish; collect returns them by key, with the values worked out by hand:
     'yes' == answer scores 1, the 'bonus' prompt adds 0.5, a call over the time limit scores 0 and is counted."""
-    scorer = RewardScorer(scorer_reward, timeout_s=0.5, workers=workers)
+    scorer = RewardScorer(scorer_reward, timeout_s=1.0, workers=workers)
     try:
-        scorer.submit(2, ["bonus", "bonus"], ["yes", "no"], ["yes", "yes"])
+        scorer.submit(2, ["bonus", "bonus"], ["yes", "print"], ["yes", "yes"])
         scorer.submit(0, ["p"], ["slow"], ["yes"])
         scorer.submit(1, ["p", "p", "p"], ["no", "yes", "slow"], ["yes", "yes", "yes"])
         assert scorer.collect() == ([[0.0], [0.0, 1.0, 0.0], [1.5, 0.5]], 2)
@@ -211,16 +205,32 @@ def test_scorer_orders_groups_by_key_and_counts_timeouts(scorer_reward, workers)
         scorer.close()
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_scorer_raises_the_first_failing_groups_error(scorer_reward, workers):
-    scorer = RewardScorer(scorer_reward, workers=workers)
+def test_a_timed_out_call_is_stopped_and_its_process_replaced(scorer_reward):
+    """The stuck call runs inside one C function: only killing its process stops it. It scores 0, the process is
+    gone right after the time limit, and a fresh one scores the next calls."""
+    scorer = RewardScorer(scorer_reward, timeout_s=1.0, workers=1)
     try:
-        scorer.submit(1, ["p2"], ["raise"], ["yes"])
-        scorer.submit(0, ["p0", "p0"], ["yes", "raise"], ["yes", "yes"])
+        scorer.submit(0, ["p"], ["yes"], ["yes"])
+        assert scorer.collect() == ([[1.0]], 0)
+        first = scorer.workers[0].process.pid
+        start = time.monotonic()
+        scorer.submit(0, ["p", "p"], ["stuck", "yes"], ["yes", "yes"])
+        assert scorer.collect() == ([[0.0, 1.0]], 1)
+        assert time.monotonic() - start < 30
+        assert not alive(first) and scorer.workers[0].process.pid != first
+    finally:
+        scorer.close()
+
+
+@pytest.mark.parametrize("completion, words", [("raise", ["sample 1 of group 0", "KeyError", "'p0'"]),
+                                               ("nan", ["sample 1 of group 0", "nan", "not a finite number"])])
+def test_scorer_raises_the_first_failing_groups_error(scorer_reward, completion, words):
+    scorer = RewardScorer(scorer_reward, workers=1)
+    try:
+        scorer.submit(0, ["p0", "p0"], ["yes", completion], ["yes", "yes"])
         with pytest.raises(RewardError) as info:
             scorer.collect()
-        message = str(info.value)
-        assert "sample 1" in message and "KeyError" in message and "'p0'" in message, message
+        assert all(word in str(info.value) for word in words), str(info.value)
         scorer.submit(0, ["p"], ["yes"], ["yes"])  # a failed collect leaves nothing behind
         assert scorer.collect() == ([[1.0]], 0)
     finally:
@@ -231,7 +241,7 @@ def test_scorer_reports_a_reward_process_that_died(scorer_reward):
     scorer = RewardScorer(scorer_reward, workers=1)
     try:
         scorer.submit(0, ["p"], ["die"], ["yes"])
-        with pytest.raises(RewardError, match="reward process died while scoring group 0"):
+        with pytest.raises(RewardError, match="reward process died while scoring sample 0 of group 0"):
             scorer.collect()
     finally:
         scorer.close()
@@ -242,29 +252,42 @@ def test_scorer_rejects_a_bad_spec_before_starting_processes(tmp_path):
         RewardScorer(f"{tmp_path / 'nope.py'}:reward", workers=2)
 
 
+def test_a_stop_signal_does_not_wait_for_a_stuck_reward(scorer_reward):
+    """After SIGTERM or Ctrl-C, collect gives the reward calls a few seconds, then abandons the step."""
+    from common import errors, signals
+
+    scorer = RewardScorer(scorer_reward, timeout_s=None, workers=1)
+    try:
+        scorer.submit(0, ["p"], ["stuck"], ["yes"])
+        signals._received = "SIGTERM"
+        start = time.monotonic()
+        with pytest.raises(errors.StopRequested, match="SIGTERM arrived while 1 reward calls"):
+            scorer.collect(stop_grace_s=0.5)
+        assert time.monotonic() - start < 5
+        pid = scorer.workers[0].process.pid
+    finally:
+        signals.reset()
+        scorer.close()
+    assert not alive(pid)  # close stops a process even in the middle of a call
+
+
 def test_reward_processes_exit_with_their_rank(scorer_reward):
-    """A rank killed without closing its scorer (here os._exit, like SIGKILL) leaves no reward process behind;
-    SIGTERM, which Slurm sends to every process of a job, does not stop them while their rank lives."""
-    script = (f"import os, signal, sys\nsys.path.insert(0, {os.getcwd()!r})\n"
+    """A rank killed without closing its scorer (here os._exit, like SIGKILL) leaves no reward process behind, even
+    one stuck in a C call; SIGTERM, which Slurm sends to every process of a job, does not stop them while their
+    rank lives."""
+    script = (f"import os, signal, sys, time\nsys.path.insert(0, {os.getcwd()!r})\n"
               "from common.rewards import RewardScorer\n"
               f"scorer = RewardScorer({scorer_reward!r}, workers=2)\n"
               "for key in range(2):\n    scorer.submit(key, ['p'], ['yes'], ['yes'])\n"
-              "scorer.collect()\npids = list(scorer.pool._processes)\n"
+              "scorer.collect()\npids = [w.process.pid for w in scorer.workers]\n"
               "for pid in pids:\n    os.kill(pid, signal.SIGTERM)\n"
               "scorer.submit(0, ['p'], ['yes'], ['yes'])\nassert scorer.collect() == ([[1.0]], 0)\n"
+              "scorer.submit(1, ['p'], ['stuck'], ['yes'])\ntime.sleep(0.5)\n"
               "print(*pids, flush=True)\nos._exit(0)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     pids = [int(pid) for pid in result.stdout.split()]
-    assert len(pids) >= 1
-
-    def alive(pid):  # a zombie has exited; it only waits for a reaper
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
+    assert len(pids) == 2
     deadline = time.time() + 10
     while any(alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.2)

@@ -1,7 +1,7 @@
 import collections
 
 import torch
-from transformers import AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.synthetic import (
     NUM_VALUES,
@@ -70,7 +70,7 @@ def test_config_builds_a_model_over_the_whole_vocabulary():
     assert config.vocab_size == len(tokenizer)
     assert config.eos_token_id == tokenizer.eos_token_id and config.pad_token_id == tokenizer.pad_token_id
     assert config.bos_token_id is not None
-    model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)
     input_ids = torch.tensor([tokenizer("max 7 13 2 =")["input_ids"]])
     assert model(input_ids=input_ids).logits.shape == (1, 5, len(tokenizer))

@@ -1,0 +1,153 @@
+"""How every script fails: one clear line for a user's mistake, one traceback for a bug, printed once for all ranks.
+
+A run of N ranks that fails would otherwise print N copies of the same traceback, most of them from ranks that
+only noticed that another one stopped. Here the first rank to fail claims the report through torchrun's key-value
+store (a counter every rank can reach, even when collectives are broken) and prints it; the others stay silent.
+User errors (bad flags, paths, data, rewards: ValueError, OSError, RewardError) print as one line;
+anything else is a bug and keeps its traceback. `NANORL_TRACEBACK=1` shows the traceback of user errors too.
+"""
+
+import os
+import sys
+import traceback
+
+USER_ERRORS = (ValueError, OSError)  # and every class registered with user_error below
+_store = None  # torchrun's key-value store, set once the ranks have met (common.distributed)
+_global_rank = int(os.environ.get("RANK", "0"))  # before split placement renumbers RANK within each role
+_abort_hooks = []  # cleanups that must run even when the process leaves with os._exit (reward processes)
+
+
+class PeerFailed(RuntimeError):
+    """Raised on every rank but the one that failed (common.distributed.raise_on_all_ranks); that one reports."""
+
+
+class StopRequested(RuntimeError):
+    """A stop signal (SIGTERM, Ctrl-C) arrived while the step was waiting for work that cannot finish in time
+    (a stuck reward): the step is abandoned and the last saved state stays the one to resume from."""
+
+
+def user_error(cls: type) -> type:
+    """Class decorator: errors of this class are the user's to fix, reported as one line."""
+    global USER_ERRORS
+    USER_ERRORS = (*USER_ERRORS, cls)
+    return cls
+
+
+def use_store(store) -> None:
+    global _store
+    _store = store
+
+
+def on_abort(hook) -> None:
+    """Runs `hook()` before the process leaves through report_and_exit or a second stop signal."""
+    _abort_hooks.append(hook)
+
+
+def run_abort_hooks() -> None:
+    for hook in _abort_hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+
+
+def _first_to_report() -> bool:
+    """True on exactly one rank: the first to fail (the store's counter), or rank 0 before the ranks have met."""
+    if _store is None:
+        return _global_rank == 0
+    try:
+        return _store.add("nanorl/failures", 1) == 1
+    except Exception:  # noqa: BLE001 - the store is gone (torchrun died): say it here rather than nowhere
+        return True
+
+
+def describe(error: BaseException) -> str | None:
+    """The report for `error`: one line, a traceback, or None (nothing to add: another rank reports)."""
+    if isinstance(error, PeerFailed):
+        return None
+    if isinstance(error, StopRequested):
+        return f"stopped: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C) before training started"
+    user = isinstance(error, USER_ERRORS)
+    if (user or _is_lost_peer(error)) and not os.environ.get("NANORL_TRACEBACK"):
+        text = " ".join(str(error).split("\n")[0].split()) or type(error).__name__
+        if _is_lost_peer(error):
+            return f"error: another rank stopped unexpectedly (killed, or out of memory?): {text[:300]}"
+        return f"error: {text}"
+    return "".join(traceback.format_exception(error)).rstrip()
+
+
+def _is_lost_peer(error: BaseException) -> bool:
+    """A collective failed because a peer process is gone (gloo/NCCL errors name the closed connection)."""
+    text = str(error)
+    return type(error).__name__ in ("DistBackendError", "DistNetworkError") or "Connection closed by peer" in text \
+        or "Connection reset by peer" in text
+
+
+def report_and_exit(error: BaseException, code: int = 1) -> None:
+    """Prints `error`'s report if this rank is the first to fail, stops child processes, and leaves at once
+    (os._exit: a normal exit could wait forever on a peer that is gone, in a collective or a C++ thread)."""
+    message = describe(error)
+    if message is not None and _first_to_report():
+        if "tqdm" in sys.modules:  # below this process's progress bar, not glued to it
+            sys.modules["tqdm"].tqdm.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr)
+    run_abort_hooks()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_main(main) -> None:
+    """`if __name__ == "__main__": run_main(main)`: main() with the failure reporting above."""
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - every failure is reported the same way
+        report_and_exit(error)
+
+
+def parse_args(cls):
+    """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank."""
+    import contextlib
+    import io
+
+    import tyro
+
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        return tyro.cli(cls)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return tyro.cli(cls)
+    except SystemExit:
+        if _global_rank == 0:
+            print(f"error: {_one_line(captured.getvalue()).rstrip('.')}; `python {os.path.basename(sys.argv[0])} --help` lists every flag",
+                  file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)
+
+
+def _one_line(tyro_message: str) -> str:
+    """The gist of tyro's boxed error: its first paragraph, and the flag it suggests if it has one."""
+    box = "\u2502\u256d\u256e\u2570\u256f\u2500|+-"
+    lines = []
+    for line in tyro_message.splitlines():
+        line = line.strip().strip("\u2502|").strip()
+        lines.append("" if not line.strip(box) else line)  # a rule or a corner line
+    titles = ("Unrecognized options", "Value error", "Parsing error", "Required options", "Invalid choice",
+              "Missing argument", "")
+    start = next((i for i, line in enumerate(lines) if line.strip(box + " ") not in titles), len(lines))
+    paragraph = []
+    for line in lines[start:]:
+        if not line:
+            break
+        paragraph.append(line)
+    gist = " ".join(paragraph) or "could not parse the command line"
+    if "Perhaps you meant:" in lines:
+        gist = gist.removesuffix(" Perhaps you meant:")
+        gist += f" (did you mean {lines[lines.index('Perhaps you meant:') + 1].split()[0]}?)"
+    return gist

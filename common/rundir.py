@@ -1,0 +1,172 @@
+"""A run's directory: one run per directory, named by its flags, resumed only by the command that made it.
+
+- The default name carries a short hash of the flags that define the run (`grpo_builtin_s1_3fa94c`), so the same
+  command resumes its run and a different one starts afresh elsewhere. Flags that only say how long or how the
+  run is run (`--steps`, cadences, logging, memory knobs) are left out of the hash: changing them continues the run.
+- A lock (`.lock`, flock-ed by the launch's rank 0, naming its pid and host) refuses a second live run in the same
+  directory; the kernel drops the lock when its holder dies, so a dead run's lock is simply taken over.
+- Each state saves the flags; on resume every flag that differs is printed, and applied, unless it makes the saved
+  state meaningless (the model, data, group size, seed...: the script's `fixed` flags), which stops the run.
+- `--resume none` in a directory that holds another run is refused unless `--overwrite`, which clears that run's
+  states, exports and metrics first.
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from common.distributed import decided_by_rank0
+from common.resume import CHECKPOINT_NAME, newest_intact_checkpoint, read_trainer_state, resolve_resume
+
+# How long, how often and how a run is run, not what it computes: left out of the run name, changeable on resume.
+NOT_DEFINING = ("steps", "eval_every", "save_every", "save_state_every", "keep_checkpoints", "resume", "overwrite",
+                "output_dir", "run_name", "track", "wandb_project", "reward_workers", "reward_timeout",
+                "rollout_gpu_memory", "rollout_eager", "sync_bucket_mb", "check_weight_sync", "max_bad_steps",
+                "max_tokens_per_micro_batch", "activation_checkpointing")
+UNSPOKEN = ("resume", "overwrite", "output_dir", "run_name")  # differ between launches by design: never listed
+RUN_FILE = "run.json"
+_locks = {}  # directory -> its lock file, held open for the life of the process: closing it would drop the lock
+
+
+@dataclass
+class RunDir:
+    name: str
+    path: str
+    resume_from: str | None  # the state directory to continue from, or None
+    notes: list[str] = field(default_factory=list)  # what rank 0 found and decided, to print once
+
+
+def default_run_name(script: str, given: dict) -> str:
+    """<script>_<dataset>_s<seed>_<hash of the defining flags as given on the command line>."""
+    dataset = "builtin" if given.get("dataset") is None else \
+        os.path.basename(str(given["dataset"]).rstrip("/")).split(".")[0]
+    defining = {k: v for k, v in sorted(given.items()) if k not in NOT_DEFINING}
+    digest = hashlib.sha1(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"{script}_{dataset}_s{given.get('seed')}_{digest}"
+
+
+def open_run_dir(script: str, given: dict, resolved: dict, fixed: tuple[str, ...]) -> RunDir:
+    """Collective over every process of the launch. `given`: the flags as parsed (they name the run); `resolved`:
+    after the script filled in its defaults (what states save and resumes compare); `fixed`: flags that cannot
+    change on resume. Raises (on every rank) a one-line error for a directory in use or a run that does not match.
+    """
+    name = given["run_name"] or default_run_name(script, given)
+    path = given["output_dir"] or os.path.join("runs", name)
+
+    def decide() -> dict:
+        os.makedirs(path, exist_ok=True)
+        _lock(path)
+        notes = []
+        if given["overwrite"]:
+            cleared = clear_run(path)
+            if cleared:
+                notes.append(f"--overwrite: cleared the previous run in {path} ({cleared})")
+        found = describe_run(path)
+        if given["resume"] == "none":
+            if found:
+                raise ValueError(f"{path} already holds a run ({found}); --resume auto continues it, --overwrite "
+                                 f"replaces it, or pick another --output-dir / --run-name")
+            resume_from = None
+        elif given["resume"] == "auto":
+            resume_from, skipped = newest_intact_checkpoint(path)
+            notes += skipped
+        else:
+            resume_from = resolve_resume(given["resume"], path)
+        if resume_from is not None:
+            saved = read_trainer_state(resume_from)["extra"].get("args")
+            if saved is not None:
+                notes += compare_flags(saved, resolved, fixed, resume_from)
+        elif found:  # stopped before its first state: nothing to resume, start over if it was the same run
+            if os.path.isfile(os.path.join(path, RUN_FILE)):
+                with open(os.path.join(path, RUN_FILE)) as f:
+                    compare_flags(json.load(f)["args"], resolved, fixed, path)
+            notes.append(f"{path}: no complete training state to resume ({found}); starting afresh")
+            clear_run(path)
+        if resume_from is None:
+            with open(os.path.join(path, RUN_FILE), "w") as f:
+                json.dump({"command": sys.argv, "args": resolved}, f, indent=1, default=str)
+        return {"resume_from": resume_from, "notes": notes}
+
+    decided = decided_by_rank0("run_dir", decide)
+    return RunDir(name, path, decided["resume_from"], decided["notes"])
+
+
+def _lock(path: str) -> None:
+    """Rank 0 holds <path>/.lock for the rest of its life; a live holder elsewhere makes this raise."""
+    if os.path.realpath(path) in _locks:  # this process holds it already
+        return
+    lock_path = os.path.join(path, ".lock")
+    f = open(lock_path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        try:
+            holder = json.loads(f.read() or "{}")
+        except json.JSONDecodeError:
+            holder = {}
+        f.close()
+        raise ValueError(f"{path} is in use by another run (pid {holder.get('pid', '?')} on "
+                         f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to end or stop "
+                         f"it, or use another --output-dir / --run-name") from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}))
+    f.flush()
+    _locks[os.path.realpath(path)] = f
+
+
+def _run_files(path: str) -> list[str]:
+    """What a run leaves in its directory: states (also unfinished ones), HF exports, metrics, its flags."""
+    names = []
+    for name in sorted(os.listdir(path)):
+        base = name.split(".")[0]
+        if CHECKPOINT_NAME.fullmatch(base) or base.startswith("hf_step_") or name in ("metrics.jsonl", RUN_FILE):
+            names.append(name)
+    return names
+
+
+def describe_run(path: str) -> str:
+    """What run `path` holds, in a few words ("" for none)."""
+    files = _run_files(path)
+    states = sorted(int(m.group(1)) for n in files if (m := CHECKPOINT_NAME.fullmatch(n)))
+    parts = [f"states up to step {states[-1]}"] if states else []
+    exports = [n for n in files if n.startswith("hf_step_") and "." not in n]
+    parts += [f"{len(exports)} exports"] if exports else []
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics) as f:
+            rows = sum(1 for line in f if line.strip())
+        parts += [f"metrics of {rows} steps"] if rows else []
+    return ", ".join(parts)
+
+
+def clear_run(path: str) -> str:
+    """Deletes the run in `path` (its lock and W&B files stay); returns what was there."""
+    found = describe_run(path)
+    for name in _run_files(path):
+        target = os.path.join(path, name)
+        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+    return found
+
+
+def compare_flags(saved: dict, current: dict, fixed: tuple[str, ...], state: str) -> list[str]:
+    """Lines that say which flags differ from the run saved in `state`; raises if a fixed one does."""
+    changed = [k for k in current if k in saved and saved[k] != current[k] and k not in UNSPOKEN]
+    refused = [k for k in changed if k in fixed]
+    flag = lambda k: "--" + k.replace("_", "-")
+    if refused:
+        what = ", ".join(f"{flag(k)} {current[k]} (saved: {saved[k]})" for k in refused)
+        raise ValueError(f"{what} differs from the run saved in {state}, which it would make meaningless; use "
+                         f"another --output-dir / --run-name, or --overwrite to start afresh there")
+    if not changed:
+        return []
+    return ["resuming with changed flags, applied: " + ", ".join(f"{flag(k)} {saved[k]} -> {current[k]}"
+                                                              for k in changed)]

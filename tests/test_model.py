@@ -1,0 +1,24 @@
+"""common/model.py: a --model that cannot be a model is one clear line, before transformers guesses at it."""
+
+import pytest
+
+from common.model import check_model_source
+
+
+def test_model_sources(tmp_path):
+    check_model_source(None)  # the built-in tiny model
+    check_model_source("Qwen/Qwen2.5-0.5B-Instruct")  # a hub id: transformers takes it from here
+    with pytest.raises(FileNotFoundError, match="--model /missing/dir: no such directory"):
+        check_model_source("/missing/dir")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        check_model_source("./runs/x/hf_step_3")
+    with pytest.raises(ValueError, match="not an HF model directory \\(no config.json; it holds nothing\\)"):
+        check_model_source(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        check_model_source(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="no weights"):
+        check_model_source(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_model_source(str(tmp_path))
