@@ -39,7 +39,7 @@ def use_store(store, global_rank: int) -> None:
     """The store every process of the launch shares (set once the processes have met)."""
     global _store, _global_rank
     _store, _global_rank = store, global_rank
-    errors.use_store(store)
+    errors.use_store(store, global_rank)
 
 
 def decided_by_rank0(name: str, decide):

@@ -13,7 +13,7 @@ import traceback
 
 USER_ERRORS = (ValueError, OSError)  # and every class registered with user_error below
 _store = None  # torchrun's key-value store, set once the ranks have met (common.distributed)
-_global_rank = int(os.environ.get("RANK", "0"))  # before split placement renumbers RANK within each role
+_global_rank = None  # this process's rank in the launch, set with the store (split placement renumbers RANK)
 _abort_hooks = []  # cleanups that must run even when the process leaves with os._exit (reward processes)
 
 
@@ -33,9 +33,13 @@ def user_error(cls: type) -> type:
     return cls
 
 
-def use_store(store) -> None:
-    global _store
-    _store = store
+def use_store(store, global_rank: int | None = None) -> None:
+    global _store, _global_rank
+    _store, _global_rank = store, global_rank
+
+
+def _launch_rank() -> int:
+    return _global_rank if _global_rank is not None else int(os.environ.get("RANK", "0"))
 
 
 def on_abort(hook) -> None:
@@ -54,7 +58,7 @@ def run_abort_hooks() -> None:
 def _first_to_report() -> bool:
     """True on exactly one rank: the first to fail (the store's counter), or rank 0 before the ranks have met."""
     if _store is None:
-        return _global_rank == 0
+        return _launch_rank() == 0
     try:
         return _store.add("nanorl/failures", 1) == 1
     except Exception:  # noqa: BLE001 - the store is gone (torchrun died): say it here rather than nowhere
@@ -94,6 +98,8 @@ def report_and_exit(error: BaseException, code: int = 1) -> None:
             sys.modules["tqdm"].tqdm.write(message, file=sys.stderr)
         else:
             print(message, file=sys.stderr)
+    else:
+        _let_the_reporter_speak()
     run_abort_hooks()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -124,11 +130,21 @@ def parse_args(cls):
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
             return tyro.cli(cls)
     except SystemExit:
-        if _global_rank == 0:
-            print(f"error: {_one_line(captured.getvalue()).rstrip('.')}; `python {os.path.basename(sys.argv[0])} --help` lists every flag",
+        if _launch_rank() == 0:
+            script = os.path.basename(sys.argv[0])
+            print(f"error: {_one_line(captured.getvalue()).rstrip('.')}; `python {script} --help` lists every flag",
                   file=sys.stderr)
+        else:
+            _let_the_reporter_speak()
         sys.stderr.flush()
         os._exit(2)
+
+
+def _let_the_reporter_speak() -> None:
+    """A rank that does not report waits a moment before it leaves: torchrun stops the other ranks as soon as one
+    has failed, which could cut the reporting rank short before it prints."""
+    import time
+    time.sleep(2)
 
 
 def _one_line(tyro_message: str) -> str:

@@ -20,6 +20,7 @@ from common import errors
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _received: str | None = None  # name of the first stop signal
 _installed = False
+_announce = True  # rank 0 says what the first signal does
 
 
 def _handle(signum, frame) -> None:
@@ -30,7 +31,7 @@ def _handle(signum, frame) -> None:
         errors.run_abort_hooks()
         os._exit(128 + signum)
     _received = name
-    if int(os.environ.get("RANK", "0")) == 0 and _announce:
+    if errors._launch_rank() == 0 and _announce:
         again = "Ctrl-C" if signum == signal.SIGINT else "the signal"
         _write(f"{name}: finishing this step, then saving and stopping ({again} again stops at once)")
 
@@ -40,9 +41,6 @@ def _write(message: str) -> None:
         os.write(sys.stderr.fileno(), (message + "\n").encode())
     except OSError:
         pass
-
-
-_announce = True
 
 
 def install_stop_handlers(announce: bool = True) -> None:

@@ -4,8 +4,6 @@ Runs grpo.py on a random-weight model of the chosen shape with the same prompts,
   colocated:        every GPU trains (FSDP2) and generates (vLLM, one replica per GPU), one phase after the
                     other; each prompt's responses are scored in reward processes as soon as they are complete,
                     while the rest still generate (the default);
-  colocated_inline: the same, with the rewards scored after generation in the ranks' own processes
-                    (--reward-workers 0), to measure what scoring during generation gains;
   split_async:      half the GPUs generate (--rollout-ranks), the other half train, the rollout one step ahead
                     (--async-rollout).
 The reward runs math-verify (parse and verify of a \\boxed{} expression made from a hash of the response, plus
@@ -18,7 +16,7 @@ last step that pushes weights is steps-2 (no batch needs version steps-1), so st
 rollout ranks and its wait would land in the final step, which also saves.
 
     python scripts/bench_async.py --gpus 2 --shape 0.5b --out benchmarks/results/async_0.5b_2gpu.json
-    python scripts/bench_async.py --gpus 2 --shape 0.5b --runs colocated colocated_inline  # some of the runs
+    python scripts/bench_async.py --gpus 2 --shape 0.5b --runs colocated  # some of the runs
     python scripts/bench_async.py --gpus 2 --shape 0.5b --report-only --steps 6 --work DIR  # re-read finished runs
 """
 
@@ -43,7 +41,6 @@ def reward(prompt, completion, answer):
 """
 RUNS = {
     "colocated": ["--rollout-gpu-memory", "0.4"],
-    "colocated_inline": ["--rollout-gpu-memory", "0.4", "--reward-workers", "0"],
     "split_async": ["--async-rollout", "--rollout-gpu-memory", "0.85"],  # + --rollout-ranks gpus/2
 }
 
@@ -54,7 +51,7 @@ def run(name: str, gpus: int, extra: list[str], args, work: Path) -> None:
            str(ROOT / "grpo.py"), "--model", str(work / "model"), "--reward-fn", f"{work / 'reward.py'}:reward",
            "--lr", "1e-5", "--steps", str(args.steps), "--eval-every", "0", "--eval-size", str(args.eval_size),
            "--max-response-len", str(args.response_len), "--prompts-per-step", str(args.prompts),
-           "--group-size", str(args.group_size), "--save-state-every", "0", "--resume", "none",
+           "--group-size", str(args.group_size), "--save-state-every", "0", "--resume", "none", "--overwrite",
            "--rollout-engine", "vllm", "--output-dir", str(out), *extra]
     print(" ".join(cmd), flush=True)
     with open(work / f"{name}.log", "w") as log:
@@ -113,11 +110,11 @@ def main():
         "response_len_mean": statistics.mean(r["response/length_mean"] for r in any_rows),
         "response_truncated_frac": statistics.mean(r["response/truncated_frac"] for r in any_rows),
     }
-    for name in ("colocated", "colocated_inline"):
-        if name in rows:
-            result[name] = {"step_s": median(rows[name], "time/step"), "generate_s": median(rows[name], "time/rollout"),
-                            "reward_s": median(rows[name], "time/reward"),
-                            "train_s": median(rows[name], *train_keys), "sync_s": median(rows[name], "time/sync")}
+    if "colocated" in rows:
+        c = rows["colocated"]
+        result["colocated"] = {"step_s": median(c, "time/step"), "generate_s": median(c, "time/rollout"),
+                               "reward_s": median(c, "time/reward"), "train_s": median(c, *train_keys),
+                               "sync_s": median(c, "time/sync")}
     if "split_async" in rows:
         split = rows["split_async"]
         s = result["split_async"] = {
@@ -129,8 +126,6 @@ def main():
         s["overlap_efficiency"] = max(s["generate_s"] + s["reward_s"], s["train_s"]) / s["step_s"]
         if "colocated" in rows:
             result["split_over_colocated_throughput"] = result["colocated"]["step_s"] / s["step_s"]
-    if "colocated" in rows and "colocated_inline" in rows:  # what scoring during generation gains
-        result["reward_overlap_speedup"] = result["colocated_inline"]["step_s"] / result["colocated"]["step_s"]
     result["per_step"] = {name: [{k: r[k] for k in r if k.startswith(("time/", "perf/"))} for r in rows[name]]
                           for name in rows}
     report(result, args.out)

@@ -20,7 +20,7 @@ PY
 model=/tmp/qwen0.5b_$mode  # one per mode: modes may run side by side on one machine
 [ "$mode" = 7b ] || python3 scripts/random_model.py --shape 0.5b --out $model || exit 1
 GRPO="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 20 --eval-every 10
-  --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none"
+  --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
 
 run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
   local name=$1 limit=$2 gpus=$3; shift 3
@@ -61,7 +61,7 @@ elif [ "$mode" = 7b ]; then
   run $name 540 $g torchrun --standalone --nproc_per_node "$n" grpo.py --model /tmp/qwen7b \
     --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 10 --eval-every 0 --eval-size 32 \
     --max-response-len 128 --prompts-per-step 32 --group-size 8 --check-weight-sync --rollout-engine vllm \
-    --rollout-eager --rollout-tp "$tp" --resume none --output-dir "${SCRATCH:-/tmp}/$name"
+    --rollout-eager --rollout-tp "$tp" --resume none --overwrite --output-dir "${SCRATCH:-/tmp}/$name"
   kill $smi; rm -rf "${SCRATCH:-/tmp}/$name"  # the 7B training state is about 90 GB
   echo "$name device memory peak (MiB, per GPU):" $(sort -t, -k1,1n -k2,2n "$out/${name}_memory.csv" | awk -F, '{m[$1]=$2} END {for (i in m) printf "%s:%s ", i, m[i]}')
 fi

@@ -1,0 +1,56 @@
+"""common/errors.py: what a failure prints, and that one rank prints it."""
+
+import pytest
+import torch.distributed as dist
+
+from common import errors
+from common.rewards import RewardError
+
+
+def test_user_errors_are_one_line_bugs_keep_their_traceback(monkeypatch):
+    monkeypatch.delenv("NANORL_TRACEBACK", raising=False)
+    assert errors.describe(ValueError("--lr must be greater than 0\nmore")) == "error: --lr must be greater than 0"
+    assert errors.describe(FileNotFoundError("dataset file not found: x.jsonl")) == \
+        "error: dataset file not found: x.jsonl"
+    assert errors.describe(RewardError("reward function raised on sample 0")).startswith("error: reward function")
+    assert errors.describe(errors.PeerFailed("rank 1 failed: ...")) is None  # rank 1 says it
+    assert errors.describe(errors.StopRequested("SIGTERM arrived")) == "stopped: SIGTERM arrived"
+    try:
+        {}["missing"]
+    except KeyError as bug:
+        report = errors.describe(bug)
+    assert report.startswith("Traceback (most recent call last)") and "KeyError: 'missing'" in report
+    monkeypatch.setenv("NANORL_TRACEBACK", "1")
+    try:
+        raise ValueError("bad")
+    except ValueError as user_error:
+        assert errors.describe(user_error).startswith("Traceback")
+
+
+def test_the_first_rank_to_fail_reports():
+    errors.use_store(dist.HashStore())
+    try:
+        assert [errors._first_to_report() for _ in range(3)] == [True, False, False]
+    finally:
+        errors.use_store(None)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--lrr", "3"], "Unrecognized options: --lrr, 3 (did you mean --lr?)"),
+    (["--lr", "abc"], "Error parsing --lr: no type matching {None}|FLOAT could be instantiated from ['abc']."),
+    (["--rollout-engine", "foo"], "invalid choice 'foo' for argument '--rollout-engine'. Expected one of ('auto', "
+                                  "'vllm', 'hf')."),
+    (["--steps"], "Missing value for argument '--steps'. Expected 1 values."),
+])
+def test_tyro_boxes_become_one_line(argv, expected):
+    import contextlib
+    import io
+
+    import tyro
+
+    import grpo
+
+    box = io.StringIO()
+    with contextlib.redirect_stderr(box), contextlib.redirect_stdout(box), pytest.raises(SystemExit):
+        tyro.cli(grpo.Args, args=argv)
+    assert errors._one_line(box.getvalue()) == expected
