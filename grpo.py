@@ -42,7 +42,7 @@ from common.errors import parse_args, run_main
 from common.resume import (BadStepCounter, is_bad_number, load_training_state, prune_checkpoints, read_trainer_state,
                            save_training_state, set_hyperparameters)
 from common.rundir import open_run_dir
-from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
+from common.signals import crash_point, exit_on_stop_signals, install_stop_handlers, stop_agreed, stop_requested
 from common.rewards import RewardScorer
 from common.rollout import make_rollout_engine, resolve_engine_kind
 from common.split import (behaviour_version, check_shapes, close_link, eval_versions, init_split, load_into_module,
@@ -441,6 +441,9 @@ def rollout_worker(args: Args, placement, device, tokenizer, train_rows, eval_ro
         engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
                                      0.0, 0, args.seed, False, 0)
         shapes, dtype, load, loaded = weight_shapes(model), torch.float32, load_into_module(model), lambda: None
+    # After the engine, which may set handlers of its own. Nothing to save here: the trainers save, and a resumed run
+    # sends the weights back.
+    exit_on_stop_signals()
     sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank, placement.world,
                             args.seed)
     for _ in range(start_step):  # the trainers' data position: batches are a function of the step

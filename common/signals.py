@@ -55,6 +55,22 @@ def install_stop_handlers(announce: bool = True) -> None:
         threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
+def exit_on_stop_signals() -> None:
+    """For ranks that hold no state to save (split placement's rollout ranks): a stop signal ends them at once,
+    after their child processes; and they leave if the parent dies."""
+    global _installed
+
+    def leave(signum, frame):
+        errors.run_abort_hooks()
+        os._exit(128 + signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, leave)
+    if not _installed:
+        _installed = True
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
 def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1)
