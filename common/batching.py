@@ -5,22 +5,19 @@ RL rollouts have long-tailed lengths, so a micro-batch here is a token budget, n
   attention finds the sequence boundaries from them (or from cu_seqlens) and never crosses one;
 - every rank gets about the same token work (largest-first greedy), and runs the same number of micro-batches,
   so FSDP's collectives pair up (a rank short of work runs a zero-weight dummy pass);
-- log-probs are computed only at the scored positions, through the LM head in chunks, so the float32
-  [tokens, vocab] logits never exist for a whole micro-batch;
 - every step is bookkept by sample index, so results come back in the samples' original order.
 
 The loss stays independent of the split because its normalisers (token and sequence counts) are counted over the
-whole mini-batch on all ranks, and every micro-batch adds its share (see grpo.aggregate_loss).
+whole mini-batch on all ranks, and every micro-batch adds its share (see grpo.aggregate_loss). The forward pass
+over a packed row is in common/logprobs.py.
 """
 
-import functools
 import heapq
-import inspect
-import types
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import register_fsdp_forward_method
+
+from common.distributed import max_over_ranks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,194 +175,15 @@ def pad_rows(rows: list, value: float = 0.0) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Log-probs through the LM head in chunks.
-
-
-class ChunkedTokenLogprobs(torch.autograd.Function):
-    """log softmax(hidden @ weight.T / temperature)[targets], chunk by chunk of tokens.
-
-    Only one chunk's float32 logits [chunk, vocab] exist at a time, in forward and in backward, which
-    recomputes them: d log p(target) / d logits = onehot(target) - softmax(logits).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk_tokens: int, with_entropy: bool):
-        # hidden [tokens, d], weight [vocab, d], targets [tokens]
-        logprobs = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
-        logsumexp = torch.empty_like(logprobs)
-        entropy = torch.empty_like(logprobs) if with_entropy else None
-        for start in range(0, len(hidden), chunk_tokens):
-            chunk = slice(start, start + chunk_tokens)
-            logits = (hidden[chunk] @ weight.T).float().div_(temperature)  # [chunk, vocab]
-            logsumexp[chunk] = logits.logsumexp(-1)
-            logprobs[chunk] = logits.gather(-1, targets[chunk, None]).squeeze(-1) - logsumexp[chunk]
-            if with_entropy:  # H = -sum p log p
-                logits_lp = logits.sub_(logsumexp[chunk, None])  # in place: log-probs [chunk, vocab]
-                entropy[chunk] = -(logits_lp.exp() * logits_lp).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, logsumexp)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        if with_entropy:
-            ctx.mark_non_differentiable(entropy)  # a metric only
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, targets, logsumexp = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # summed over chunks
-        for start in range(0, len(hidden), ctx.chunk_tokens):
-            chunk = slice(start, start + ctx.chunk_tokens)
-            logits = (hidden[chunk] @ weight.T).float().div_(ctx.temperature)  # [chunk, vocab]
-            # In place, since each pass over [chunk, vocab] floats costs time: -softmax, + onehot, x dL/dlogp
-            grad_logits = logits.sub_(logsumexp[chunk, None]).exp_().neg_()
-            grad_logits.scatter_add_(-1, targets[chunk, None], torch.ones_like(grad_logits[:, :1]))
-            grad_logits = grad_logits.mul_(grad_logprobs[chunk, None] / ctx.temperature).to(hidden.dtype)
-            grad_hidden[chunk] = grad_logits @ weight
-            grad_weight += (grad_logits.T @ hidden[chunk]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
-
-
-def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                           chunk_tokens: int = 2048, with_entropy: bool = False):
-    """Log-probs [tokens] (float32) of `targets` under logits = hidden @ weight.T / temperature, and their entropies
-    (no gradient) with `with_entropy`. hidden [tokens, d], weight [vocab, d] (a bias-free LM head), targets [tokens].
-
-    Peak memory grows with chunk_tokens * vocab, not tokens * vocab (2048 x 151936 floats: 1.2 GB)."""
-    return ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
-
-
-def _packed_forward(self, input_ids, position_ids, target_index, targets, attention_kwargs: dict, temperature: float,
-                    chunk_tokens: int, with_entropy: bool):
-    """Runs as a forward of the root model (see packed_token_logprobs), so FSDP gathers the head's weight."""
-    hidden = self.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             **attention_kwargs).last_hidden_state  # [1, total, d]
-    head = self.get_output_embeddings()
-    return chunked_token_logprobs(hidden[0, target_index], head.weight, targets, temperature, chunk_tokens,
-                                  with_entropy)
-
-
-def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens: int = 2048,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [scored] of a packed micro-batch's scored tokens under `model` (an HF causal LM, FSDP2-sharded or
-    not), in the order of packed["targets"]; split them per sequence with packed["num_scored"].
-
-    The decoder body gives the hidden states, then the LM head runs in chunks on the scored positions only. Both
-    must run inside one forward of the root module: FSDP2 gathers the root's weights (embeddings, final norm, head)
-    in the root's pre-forward hook, which a direct call of model.base_model skips. So the computation is attached
-    as a method of the model and registered as a forward method with FSDP (a no-op for an unsharded model).
-    """
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError("packed_token_logprobs handles a plain bias-free LM head only")
-    # Re-attached on every call: registering wraps whatever is there, and the model may have been sharded since.
-    model.packed_forward = types.MethodType(_packed_forward, model)
-    register_fsdp_forward_method(model, "packed_forward")
-    device = model.get_input_embeddings().weight.device
-    attention_kwargs = {}
-    if model.config._attn_implementation == VARLEN_ATTENTION:
-        cu_seqlens = packed["cu_seqlens"].to(device)
-        attention_kwargs = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                                max_length_q=packed["max_seqlen"], max_length_k=packed["max_seqlen"])
-    return model.packed_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
-                                packed["target_index"].to(device), packed["targets"].to(device), attention_kwargs,
-                                temperature, chunk_tokens, with_entropy)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Attention for packed rows on GPU. transformers' sdpa path works on packed rows too (it builds a block-diagonal
-# causal mask from position_ids), but that mask is [total, total]: quadratic in the micro-batch, not the sequences.
-
-VARLEN_ATTENTION = "nanorl_varlen"
-
-
-@functools.cache
-def _keywords(function) -> frozenset[str]:
-    return frozenset(inspect.signature(function).parameters)
-
-
-def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """A transformers attention function over a packed row with torch's flash-attention varlen kernel.
-
-    query [1, heads, total, head_dim], key/value [1, kv_heads, total, head_dim] -> ([1, total, heads, head_dim], None).
-    Each sequence (cu_seq_lens_q) attends causally to itself only: no mask, no wasted work across sequences.
-    """
-    from torch.nn.attention.varlen import varlen_attn
-
-    if cu_seq_lens_q is None:
-        raise ValueError(f"{VARLEN_ATTENTION} attention needs packed inputs (cu_seq_lens_q): use packed_token_logprobs")
-    if dropout:
-        raise ValueError(f"{VARLEN_ATTENTION} attention has no dropout")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [total, heads, head_dim]
-    options = _keywords(varlen_attn)  # they changed between torch releases
-    extra = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
-    if "enable_gqa" in options:
-        extra["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:  # grouped-query attention by hand: query head h reads kv head h // group
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    if scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
-        if "scale" not in options:
-            raise ValueError("this torch's varlen_attn has no `scale`; the model needs a non-default one")
-        extra["scale"] = scaling
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **extra)
-    return out.unsqueeze(0), None
-
-
-def use_packed_attention(model, device: torch.device) -> str:
-    """Sets the model's attention for packed rows: the varlen kernel on CUDA, else transformers' sdpa (correct,
-    block-diagonal mask, fine for small CPU runs). Call it for training only: the varlen path takes packed rows
-    alone (no padded batches, no KV cache). Returns the implementation chosen."""
-    from transformers import AttentionInterface
-
-    implementation = "sdpa"
-    if device.type == "cuda":
-        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-        implementation = VARLEN_ATTENTION
-    model.set_attn_implementation(implementation)
-    return implementation
+def plan_equal_micro_batches(lengths: list[int], max_tokens: int, device: torch.device) -> list[list[int]]:
+    """Collective: token-budget micro-batches of sequences of these lengths, as many on every rank (FSDP's
+    collectives must pair up)."""
+    plan = plan_micro_batches(lengths, max_tokens)
+    return equalize_micro_batches(plan, lengths, max_over_ranks(len(plan), device))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Metrics.
-
-# Dense bf16 tensor-core peak, FLOP/s, by device-name substring.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def memory_in_use(device: torch.device) -> int:
-    """Bytes in use on the GPU, as nvidia-smi counts them: every allocator and process (vLLM, CUDA contexts)."""
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
-class TrainingMemoryPeak:
-    """The GPU memory in use at the peak of a phase in which only PyTorch allocates (training: vLLM sleeps): what
-    was in use when the phase began plus the most PyTorch's caching allocator grew during it. PyTorch's own peak
-    counters alone mislead here, as they also count the memory of a sleeping vLLM engine, which is not mapped."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.start = device, memory_in_use(device)
-        self.reserved = torch.cuda.memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def peak(self) -> int:
-        return self.start + torch.cuda.max_memory_reserved(self.device) - self.reserved
-
-
-def mfu(num_params: int, tokens: float, seconds: float, peak: float | None, num_gpus: int = 1) -> float | None:
-    """Model FLOPs utilisation: 6 x parameters x tokens (forward + backward matmuls, no attention) / time / peak.
-    tokens: processed by num_gpus GPUs together in `seconds`; peak: one GPU's bf16 FLOP/s (peak_flops)."""
-    if peak is None or seconds <= 0:
-        return None
-    return 6 * num_params * tokens / seconds / (peak * num_gpus)
 
 
 def batching_metrics(micro_batches: list[list[int]], lengths: list[int], device: torch.device,

@@ -98,6 +98,12 @@ def raise_on_all_ranks(error: BaseException | None) -> None:
         raise errors.PeerFailed(f"rank {rank} failed: {message}")
 
 
+def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Collective: each named number summed over all ranks, in one all-reduce (every rank passes the same names)."""
+    names = sorted(values)
+    return dict(zip(names, all_reduce_sum([float(values[name]) for name in names], device)))
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sums a few Python numbers over all ranks in one collective."""
     t = torch.tensor(values, dtype=torch.float64, device=device)

@@ -116,6 +116,17 @@ def run_main(main) -> None:
         report_and_exit(error)
 
 
+def check_ranges(args, positive=(), at_least_one=(), non_negative=()) -> None:
+    """One line for a flag outside its range (a value of None is unset: a default follows)."""
+    for names, ok, what in [(positive, lambda v: v > 0, "greater than 0"), (at_least_one, lambda v: v >= 1,
+                             "at least 1"), (non_negative, lambda v: v >= 0, "at least 0")]:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                hint = " (greedy decoding has no sampling distribution to train on)" if name == "temperature" else ""
+                raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {value}{hint}")
+
+
 def parse_args(cls):
     """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank."""
     import contextlib

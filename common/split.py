@@ -20,13 +20,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.distributed import use_store
+from common.distributed import init_distributed, use_store
 from sharding.vllm_sync import buckets, hf_name, num_bytes
 
 
 @dataclass
 class Placement:
-    role: str  # "train" or "rollout"
+    role: str  # "colocated" (every rank trains and generates), "train" or "rollout"
     rank: int  # within the role's own world (the default process group)
     world: int
     num_trainers: int
@@ -37,6 +37,23 @@ class Placement:
     @property
     def on_link(self) -> bool:
         return self.samples_link is not None
+
+    @property
+    def split(self) -> bool:
+        return self.role != "colocated"
+
+    @property
+    def trains(self) -> bool:
+        return self.role != "rollout"
+
+
+def init_placement(num_rollout: int) -> tuple[Placement, torch.device]:
+    """Collective over every process torchrun started: with num_rollout 0 one world where every rank trains and
+    generates; else the split worlds below."""
+    if num_rollout:
+        return init_split(num_rollout)
+    rank, world, device = init_distributed()
+    return Placement("colocated", rank, world, world, 0), device
 
 
 def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, torch.device]:
@@ -116,17 +133,6 @@ def staleness_metrics(versions: list[int], trainer_version: int, max_staleness: 
         raise RuntimeError(f"samples of weight versions {sorted(set(versions))} reached the trainer at version "
                            f"{trainer_version}: staleness must be in [0, {max_staleness}]")
     return {"staleness_sum": float(sum(lags)), "staleness_max": float(max(lags, default=0))}
-
-
-def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list[torch.Tensor], cap: float) -> dict:
-    """Sums over one rank's tokens of the truncated importance weights min(p_old / p_behaviour, cap): the weight
-    sum, how many tokens were capped, and the largest uncapped ratio."""
-    if not old_logprobs:
-        return {"tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
-    ratio = (torch.cat(old_logprobs) - torch.cat([torch.as_tensor(b, dtype=torch.float32)
-                                                   for b in behaviour_logprobs])).exp()
-    return {"tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
-            "tis_ratio_max": ratio.max().item()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

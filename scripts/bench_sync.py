@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
 from common.distributed import init_distributed  # noqa: E402
 from common.model import shard_model  # noqa: E402
-from common.vllm_rollout import VLLMRolloutEngine  # noqa: E402
+from common.vllm_engine import VLLMRolloutEngine  # noqa: E402
 from scripts.random_model import SHAPES, qwen2_config  # noqa: E402
 
 def save_config(config: Qwen2Config, path: str, rank: int) -> str:

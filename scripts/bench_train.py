@@ -28,8 +28,9 @@ import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
-from common.batching import (batching_metrics, mfu, pack_sequences, packed_token_logprobs, peak_flops,  # noqa: E402
-                             plan_micro_batches, use_packed_attention)
+from common.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
+from common.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
+from common.perf import mfu, peak_flops  # noqa: E402
 from common.distributed import init_distributed  # noqa: E402
 from common.model import shard_model, token_logprobs  # noqa: E402
 from scripts.random_model import SHAPES as QWEN_SHAPES  # noqa: E402

@@ -1,6 +1,6 @@
-"""Token-budget batching: plans checked by hand and by invariant, packed == padded log-probs, the chunked LM head
-== the full one (values and gradients), FSDP2, and a GRPO loss whose gradients do not depend on the split
-(budget 64 == one micro-batch == 2 ranks)."""
+"""Token-budget batching (common/batching.py): plans checked by hand and by invariant, packing, and a GRPO loss whose
+gradients do not depend on the split (budget 64 == one micro-batch == 2 ranks), with the packed forward under
+FSDP2 equal to the plain one."""
 
 import os
 import random
@@ -8,14 +8,13 @@ import random
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from common.batching import (TrainingMemoryPeak, balance_across_ranks, batching_metrics, chunked_token_logprobs,
-                             equalize_micro_batches, gather_in_original_order, mfu, pack_sequences,
-                             packed_token_logprobs, pad_rows, plan_micro_batches, restore_order, share_samples_evenly)
+from common.batching import (balance_across_ranks, batching_metrics, equalize_micro_batches, gather_in_original_order,
+                             pack_sequences, pad_rows, plan_micro_batches, restore_order, share_samples_evenly)
+from common.logprobs import packed_token_logprobs
 from common.distributed import all_reduce_sum, max_over_ranks
-from common.model import shard_model, token_logprobs
+from common.model import shard_model
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -108,91 +107,9 @@ def test_pack_sequences_by_hand():
         pack_sequences([[1, 2]], num_scored=[2])
 
 
-def padded_reference(model, seqs, device=torch.device("cpu")) -> list[torch.Tensor]:
-    """Per-sequence log-probs of tokens 1.. from the existing padded path (one right-padded batch)."""
-    length = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (length - len(s)) for s in seqs], device=device)
-    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs], device=device)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, ids, mask, temperature=0.7)
-    return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logprobs_equal_padded_in_original_order(attn):
-    model = tiny_model(attn).eval()
-    seqs = random_seqs(9)
-    expected = padded_reference(model, seqs)
-    # A small budget reorders and splits the samples; results must land back on their own samples.
-    plan = plan_micro_batches([len(s) for s in seqs], max_tokens=40)
-    assert len(plan) > 1 and [i for mb in plan for i in mb] != list(range(len(seqs)))
-    results = []
-    with torch.no_grad():
-        for mb in plan:
-            packed = pack_sequences([seqs[i] for i in mb])
-            lp, _ = packed_token_logprobs(model, packed, temperature=0.7, chunk_tokens=16)
-            results.append(list(torch.split(lp, packed["num_scored"])))
-    for got, want in zip(restore_order(plan, results), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_packing_does_not_leak_across_sequences():
-    # The same sequence scores the same alone or after another one: attention stops at the boundary.
-    model = tiny_model().eval()
-    a, b = random_seqs(2, seed=3)
-    with torch.no_grad():
-        alone, _ = packed_token_logprobs(model, pack_sequences([b]), 1.0)
-        after, _ = packed_token_logprobs(model, pack_sequences([a, b]), 1.0)
-    torch.testing.assert_close(after[len(a) - 1:], alone, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("temperature, chunk", [(1.0, 7), (0.6, 64)])
-def test_chunked_logprobs_match_full_logits(temperature, chunk):
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = (0.5 * torch.randn(300, 16, generator=g, dtype=torch.float64)).requires_grad_()
-    targets = torch.randint(0, 300, (50,), generator=g)
-    upstream = torch.randn(50, generator=g, dtype=torch.float64)  # any loss: a weighted sum
-
-    log_softmax = F.log_softmax(hidden @ weight.T / temperature, dim=-1)
-    want = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
-    want_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
-
-    got, entropy = chunked_token_logprobs(hidden, weight, targets, temperature, chunk_tokens=chunk, with_entropy=True)
-    got_grads = torch.autograd.grad((got * upstream.float()).sum(), (hidden, weight))
-    # The chunks compute in float32 (as on GPU, where the head runs in bf16): float32 tolerances.
-    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(entropy, want_entropy.float(), rtol=1e-5, atol=1e-6)
-    for g_got, g_want in zip(got_grads, want_grads):
-        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
-
-
 def test_pad_rows():
     rows = pad_rows([torch.tensor([1.0, 2.0]), [3.0], torch.tensor([4.0, 5.0, 6.0])])
     assert rows.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
-
-
-def test_training_memory_peak_by_hand(monkeypatch):
-    """50 GB in use when training starts (a sleeping engine's leftovers, the trainer's 30 GB reserved), PyTorch's
-    reserved memory peaks at 60 GB: the device peaked at 80 GB, whatever PyTorch's counters say of vLLM's pool."""
-    state = {"free": 90e9, "reserved": 30e9, "max_reserved": 120e9}  # 120: a sleeping pool, counted but unmapped
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], 140e9))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: state["reserved"])
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: state["max_reserved"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device: state.update(max_reserved=state["reserved"]))
-    memory = TrainingMemoryPeak(torch.device("cuda"))
-    state.update(max_reserved=60e9, reserved=35e9, free=85e9)  # grew to 60, then freed down to 35
-    assert memory.peak() == pytest.approx(80e9)
-
-
-def test_mfu_by_hand():
-    # 6 x 1e9 params x 1e4 tokens in 0.5 s = 1.2e14 FLOP/s, over a 1e15 peak.
-    assert mfu(10**9, 1e4, 0.5, 1e15) == pytest.approx(0.12)
-    # The same tokens over 4 GPUs in the same time: a quarter of the utilisation (the peak is per GPU).
-    assert mfu(10**9, 1e4, 0.5, 1e15, num_gpus=4) == pytest.approx(0.03)
-    assert mfu(10**9, 1e4, 0.5, None) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,38 +241,3 @@ def test_packed_logprobs_under_fsdp2(spawned):
     assert out["plain"]["grads"]["model.embed_tokens.weight"].abs().sum() > 0
     for name, grad in out["plain"]["grads"].items():
         torch.testing.assert_close(out["fsdp"]["grads"][name], grad, rtol=1e-4, atol=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# GPU: the varlen attention kernel on packed rows == padded sdpa, up to bf16 rounding.
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attn", ["nanorl_varlen", "flex_attention"])
-def test_packed_attention_on_gpu_matches_padded(attn):
-    from common.batching import use_packed_attention
-
-    device = torch.device("cuda")
-    seqs = random_seqs(12, seed=11) + [list(range(3, 40)) * 8]  # one long sequence among short ones
-    # head_dim 16: flex attention's kernels need at least 16
-    expected = padded_reference(tiny_model(hidden_size=64).to(device).eval(), seqs, device)  # fp32, padded, sdpa
-    model = tiny_model(hidden_size=64).to(device, torch.bfloat16).eval()
-    if attn == "nanorl_varlen":
-        assert use_packed_attention(model, device) == attn
-    else:
-        model.set_attn_implementation(attn)
-    with torch.no_grad():
-        packed = pack_sequences(seqs)
-        lp, _ = packed_token_logprobs(model, packed, temperature=0.7)
-        alone, _ = packed_token_logprobs(model, pack_sequences(seqs[-1:]), temperature=0.7)
-    # The same bf16 weights through the padded sdpa path: how far bf16 rounding alone takes this model from fp32.
-    bf16_padded = padded_reference(tiny_model(hidden_size=64).to(device, torch.bfloat16).eval(), seqs, device)
-    rounding = (torch.cat(bf16_padded) - torch.cat(expected)).abs().mean()
-    # Packed is no further from fp32 than padded bf16 is; attending across a boundary would be off by O(1).
-    diff = (lp - torch.cat(expected)).abs()
-    # The same kernel on the long sequence alone and packed after 12 others: the same numbers, up to rounding.
-    leak = (lp[-len(alone):] - alone).abs()
-    print(f"{attn}: mean |packed - fp32| {diff.mean():.4f} (max {diff.max():.4f}), |padded bf16 - fp32| "
-          f"{rounding:.4f}, |packed - alone| {leak.mean():.4f} (max {leak.max():.4f})")
-    assert diff.mean() < 2 * rounding + 0.01, f"mean {diff.mean():.4f} against bf16 rounding {rounding:.4f}"
-    assert leak.mean() < rounding + 0.01, f"mean {leak.mean():.4f} against bf16 rounding {rounding:.4f}"

@@ -1,5 +1,5 @@
 """The colocated vLLM path on one GPU: weight sync equality (sharding/vllm_sync.py) and log-prob parity between
-vLLM's sampled tokens and the trainer's forward pass (common/vllm_rollout.py). Skipped without CUDA and vllm.
+vLLM's sampled tokens and the trainer's forward pass (common/vllm_engine.py). Skipped without CUDA and vllm.
 
 Run: python -m pytest -m gpu tests/test_gpu.py
 """
@@ -23,7 +23,7 @@ def colocated(tmp_path_factory):
     """A world of one (NCCL), a tiny FSDP2 Qwen2 policy and a vLLM engine that starts with dummy weights."""
     pytest.importorskip("vllm")
     from common.model import shard_model
-    from common.vllm_rollout import VLLMRolloutEngine
+    from common.vllm_engine import VLLMRolloutEngine
 
     if not dist.is_initialized():
         # vLLM's external_launcher reads RANK and LOCAL_RANK from the environment, like torchrun sets them.

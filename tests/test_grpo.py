@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import grpo
+from common.logprobs import compute_logprobs
 from common.model import shard_model
 from gloo import finish_gloo, free_port, init_gloo
 
@@ -98,7 +99,7 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
     # Rank r takes samples r, r + world, ...: with no shuffle, mini-batch k then holds the same global samples
     # for 1 and 2 ranks.
     samples = fixed_batch()[rank::world]
-    for s, lp in zip(samples, grpo.compute_logprobs(model, samples, 16, args.temperature, torch.device("cpu"))):
+    for s, lp in zip(samples, compute_logprobs(model, samples, 16, args.temperature, torch.device("cpu"))):
         s["old_logprobs"] = lp - 0.05
     stats = grpo.update_policy(model, optimizer, samples, args, world, torch.device("cpu"), generator=None)
     loss = torch.tensor([stats["loss"]], dtype=torch.float64)
@@ -149,7 +150,7 @@ def nan_update(rank: int, port: int, out_dir: str):
     model = shard_model(tiny_model(), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     samples = fixed_batch()
-    for s, lp in zip(samples, grpo.compute_logprobs(model, samples, 64, 1.0, torch.device("cpu"))):
+    for s, lp in zip(samples, compute_logprobs(model, samples, 64, 1.0, torch.device("cpu"))):
         s["old_logprobs"] = lp
     samples[3]["advantage"] = float("nan")  # one poisoned sample poisons the whole gradient
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.resume import (BadStepCounter, checkpoint_damage, is_bad_number, latest_checkpoint, load_training_state,
-                           newest_intact_checkpoint, prune_checkpoints, read_trainer_state, resolve_resume,
-                           save_training_state, set_hyperparameters)
+from common.optim import BadStepCounter, is_bad_number, set_hyperparameters
+from common.resume import (checkpoint_damage, latest_checkpoint, load_training_state, newest_intact_checkpoint,
+                           prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from gloo import finish_gloo, free_port, init_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

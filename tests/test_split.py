@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.rollouts import tis_metrics
 from common.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object, recv_weights,
-                          send_object, staleness_metrics, tis_metrics, weight_versions)
+                          send_object, staleness_metrics, weight_versions)
 from gloo import finish_gloo, free_port, init_gloo
 from test_grpo_e2e import launch, torchrun, wait_for
 

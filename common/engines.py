@@ -6,7 +6,7 @@ Every engine has the same four methods, so the training loop never knows which o
 (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights` (verify the last
 sync).
 `HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
-(CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_rollout.py) is the real GPU path.
+(CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_engine.py) is the real GPU path.
 """
 
 import importlib.util
@@ -98,7 +98,7 @@ def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token
     if kind == "hf":
         return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
     if kind == "vllm":
-        from common.vllm_rollout import VLLMRolloutEngine
+        from common.vllm_engine import VLLMRolloutEngine
         return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
                                  max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
                                  enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb)

@@ -4,7 +4,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common.model import token_logprobs
-from common.rollout import HFRolloutEngine
+from common.engines import HFRolloutEngine
 
 EOS = 1
 

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.rollout import Completion
+from common.engines import Completion
 from sharding.vllm_sync import check_weight_sync, sync_weights_to_vllm
 
 

@@ -1,0 +1,190 @@
+"""Log-probs of given tokens under a model, the quantity every loss here is built from, on packed rows.
+
+The decoder body runs over a packed row (common/batching.py), then the LM head runs in chunks on the scored
+positions only, so the float32 [tokens, vocab] logits never exist for a whole micro-batch, in forward or backward.
+On GPU the attention over a packed row is torch's flash-attention varlen kernel; elsewhere transformers' sdpa,
+which builds the block-diagonal causal mask from the position ids.
+"""
+
+import functools
+import inspect
+import types
+
+import torch
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from common.batching import pack_sequences, plan_equal_micro_batches
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[targets], chunk by chunk of tokens.
+
+    Only one chunk's float32 logits [chunk, vocab] exist at a time, in forward and in backward, which
+    recomputes them: d log p(target) / d logits = onehot(target) - softmax(logits).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_tokens: int, with_entropy: bool):
+        # hidden [tokens, d], weight [vocab, d], targets [tokens]
+        logprobs = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else None
+        for start in range(0, len(hidden), chunk_tokens):
+            chunk = slice(start, start + chunk_tokens)
+            logits = (hidden[chunk] @ weight.T).float().div_(temperature)  # [chunk, vocab]
+            logsumexp[chunk] = logits.logsumexp(-1)
+            logprobs[chunk] = logits.gather(-1, targets[chunk, None]).squeeze(-1) - logsumexp[chunk]
+            if with_entropy:  # H = -sum p log p
+                logits_lp = logits.sub_(logsumexp[chunk, None])  # in place: log-probs [chunk, vocab]
+                entropy[chunk] = -(logits_lp.exp() * logits_lp).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, logsumexp)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)  # a metric only
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, targets, logsumexp = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # summed over chunks
+        for start in range(0, len(hidden), ctx.chunk_tokens):
+            chunk = slice(start, start + ctx.chunk_tokens)
+            logits = (hidden[chunk] @ weight.T).float().div_(ctx.temperature)  # [chunk, vocab]
+            # In place, since each pass over [chunk, vocab] floats costs time: -softmax, + onehot, x dL/dlogp
+            grad_logits = logits.sub_(logsumexp[chunk, None]).exp_().neg_()
+            grad_logits.scatter_add_(-1, targets[chunk, None], torch.ones_like(grad_logits[:, :1]))
+            grad_logits = grad_logits.mul_(grad_logprobs[chunk, None] / ctx.temperature).to(hidden.dtype)
+            grad_hidden[chunk] = grad_logits @ weight
+            grad_weight += (grad_logits.T @ hidden[chunk]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                           chunk_tokens: int = 2048, with_entropy: bool = False):
+    """Log-probs [tokens] (float32) of `targets` under logits = hidden @ weight.T / temperature, and their entropies
+    (no gradient) with `with_entropy`. hidden [tokens, d], weight [vocab, d] (a bias-free LM head), targets [tokens].
+
+    Peak memory grows with chunk_tokens * vocab, not tokens * vocab (2048 x 151936 floats: 1.2 GB)."""
+    return ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
+
+
+def _packed_forward(self, input_ids, position_ids, target_index, targets, attention_kwargs: dict, temperature: float,
+                    chunk_tokens: int, with_entropy: bool):
+    """Runs as a forward of the root model (see packed_token_logprobs), so FSDP gathers the head's weight."""
+    hidden = self.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             **attention_kwargs).last_hidden_state  # [1, total, d]
+    head = self.get_output_embeddings()
+    return chunked_token_logprobs(hidden[0, target_index], head.weight, targets, temperature, chunk_tokens,
+                                  with_entropy)
+
+
+def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens: int = 2048,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [scored] of a packed micro-batch's scored tokens under `model` (an HF causal LM, FSDP2-sharded or
+    not), in the order of packed["targets"]; split them per sequence with packed["num_scored"].
+
+    The decoder body gives the hidden states, then the LM head runs in chunks on the scored positions only. Both
+    must run inside one forward of the root module: FSDP2 gathers the root's weights (embeddings, final norm, head)
+    in the root's pre-forward hook, which a direct call of model.base_model skips. So the computation is attached
+    as a method of the model and registered as a forward method with FSDP (a no-op for an unsharded model).
+    """
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("packed_token_logprobs handles a plain bias-free LM head only")
+    # Re-attached on every call: registering wraps whatever is there, and the model may have been sharded since.
+    model.packed_forward = types.MethodType(_packed_forward, model)
+    register_fsdp_forward_method(model, "packed_forward")
+    device = model.get_input_embeddings().weight.device
+    attention_kwargs = {}
+    if model.config._attn_implementation == VARLEN_ATTENTION:
+        cu_seqlens = packed["cu_seqlens"].to(device)
+        attention_kwargs = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                max_length_q=packed["max_seqlen"], max_length_k=packed["max_seqlen"])
+    return model.packed_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
+                                packed["target_index"].to(device), packed["targets"].to(device), attention_kwargs,
+                                temperature, chunk_tokens, with_entropy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention for packed rows on GPU. transformers' sdpa path works on packed rows too (it builds a block-diagonal
+# causal mask from position_ids), but that mask is [total, total]: quadratic in the micro-batch, not the sequences.
+
+VARLEN_ATTENTION = "nanorl_varlen"
+
+
+@functools.cache
+def _keywords(function) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """A transformers attention function over a packed row with torch's flash-attention varlen kernel.
+
+    query [1, heads, total, head_dim], key/value [1, kv_heads, total, head_dim] -> ([1, total, heads, head_dim], None).
+    Each sequence (cu_seq_lens_q) attends causally to itself only: no mask, no wasted work across sequences.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    if cu_seq_lens_q is None:
+        raise ValueError(f"{VARLEN_ATTENTION} attention needs packed inputs (cu_seq_lens_q): use packed_token_logprobs")
+    if dropout:
+        raise ValueError(f"{VARLEN_ATTENTION} attention has no dropout")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [total, heads, head_dim]
+    options = _keywords(varlen_attn)  # they changed between torch releases
+    extra = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
+    if "enable_gqa" in options:
+        extra["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:  # grouped-query attention by hand: query head h reads kv head h // group
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    if scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
+        if "scale" not in options:
+            raise ValueError("this torch's varlen_attn has no `scale`; the model needs a non-default one")
+        extra["scale"] = scaling
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **extra)
+    return out.unsqueeze(0), None
+
+
+def use_packed_attention(model, device: torch.device) -> str:
+    """Sets the model's attention for packed rows: the varlen kernel on CUDA, else transformers' sdpa (correct,
+    block-diagonal mask, fine for small CPU runs). Call it for training only: the varlen path takes packed rows
+    alone (no padded batches, no KV cache). Returns the implementation chosen."""
+    from transformers import AttentionInterface
+
+    implementation = "sdpa"
+    if device.type == "cuda":
+        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+        implementation = VARLEN_ATTENTION
+    model.set_attn_implementation(implementation)
+    return implementation
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-sample log-probs of responses.
+
+
+def sample_lengths(samples: list[dict]) -> list[int]:
+    return [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+
+
+def packed_response_logprobs(model, samples: list[dict], temperature: float, with_entropy: bool = False):
+    """Packs prompt + response of each sample into one row; returns per-sample response log-probs (and entropies).
+    An empty `samples` runs a dummy sequence (a rank's zero-weight filler pass)."""
+    packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in samples],
+                            [len(s["response_ids"]) for s in samples] if samples else None)
+    logprobs, entropy = packed_token_logprobs(model, packed, temperature, with_entropy=with_entropy)
+    split = lambda x: None if x is None else list(x.split(packed["num_scored"]))
+    return split(logprobs), split(entropy)
+
+
+@torch.no_grad()
+def compute_logprobs(model, samples: list[dict], max_tokens: int, temperature: float, device) -> list[torch.Tensor]:
+    """Collective: each sample's response-token log-probs under `model` ([len(response)] on CPU), in sample order."""
+    out = [None] * len(samples)
+    for mb in plan_equal_micro_batches(sample_lengths(samples), max_tokens, device):  # empty mb: a dummy pass
+        logprobs, _ = packed_response_logprobs(model, [samples[i] for i in mb], temperature)
+        for i, lp in zip(mb, logprobs):
+            out[i] = lp.float().cpu()
+    model.reshard()  # FSDP2 keeps the root's weights gathered after a forward with no backward: free them
+    return out

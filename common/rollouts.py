@@ -1,0 +1,376 @@
+"""Where a script's samples come from, whatever the placement: one object on the training ranks, one function on
+the rollout ranks.
+
+`Rollouts` (training ranks) hands out this rank's share of each step's samples: per prompt, `--group-size`
+responses with the rollout engine's log-probs, their rewards (scored by `--reward-workers` processes as soon as a
+prompt's group is complete), whether they ended at a stop token, and the weight version that generated them.
+- Colocated (default): every rank generates its share with its own engine. A vLLM engine sleeps while the
+  trainer runs; before it generates (or evaluates) it wakes and takes the policy's latest weights, once per update.
+  The HF engine generates with the policy itself.
+- Split (`--rollout-ranks K`): the last K ranks run `serve_rollouts` and generate the whole batch, one step ahead
+  with `--async-rollout`; trainer 0 receives it and every trainer keeps its slice. `publish` streams the new
+  weights to them after each update they need (common/split.py has the link and the version schedule).
+Held-out greedy evaluation goes through it too: colocated, `evaluate` runs it on the spot; split, the rollout ranks
+evaluate the versions due and the results reach the log with a later batch, tagged `eval/version`.
+
+A script's loop: `samples, metrics = rollouts.next_batch(step)`, then advantages, losses and the update (the
+algorithm, in the script), then `rollouts.publish(step, stop)` and `rollouts.evaluate(step)`.
+"""
+
+import collections
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from common.data import PromptSampler
+from common.distributed import all_reduce_sum, finish_distributed, max_over_ranks, raise_on_all_ranks
+from common.engines import make_rollout_engine
+from common.logprobs import use_packed_attention
+from common.model import load_model, save_model_config, stop_token_ids
+from common.perf import memory_in_use
+from common.rewards import RewardScorer
+from common.signals import exit_on_stop_signals
+from common.split import (behaviour_version, check_shapes, close_link, eval_versions, load_into_module, recv_header,
+                          recv_object, recv_weights, send_header, send_object, send_weights, staleness_metrics,
+                          weight_versions)
+from sharding.vllm_sync import trainer_weights, weight_shapes
+
+
+class Rollouts:
+    """On every training rank. `args` holds the rollout flags every script shares (see grpo.Args)."""
+
+    def __init__(self, args, placement, policy, tokenizer, train_rows: list[dict], eval_rows: list[dict], device,
+                 output_dir: str, start_step: int, logger, timer):
+        self.args, self.placement, self.policy, self.tokenizer = args, placement, policy, tokenizer
+        self.eval_rows, self.device, self.start_step, self.logger, self.timer = eval_rows, device, start_step, logger, timer
+        self.first_eval = self.last_eval = None  # held-out results before training and of the newest version
+        self.rollout_memory = 0  # bytes in use on this GPU while the engine generated (colocated vLLM)
+        # In split placement the rollout ranks draw the prompts; here the sampler only keeps the data position
+        # that checkpoints save (batches are a function of the step, so both sides agree).
+        self.sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank,
+                                     placement.world, args.seed)
+        self.engine = self.scorer = None
+        if placement.split:
+            logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout "
+                         f"ranks" + (f", async (max staleness {args.max_staleness}, TIS cap {args.tis_cap})"
+                                     if args.async_rollout else ", synchronous"))
+            self.staleness = args.max_staleness if args.async_rollout else 0
+            self.versions_to_send = set(weight_versions(start_step, args.steps, self.staleness, args.eval_every))
+            self.link_dtype = torch.bfloat16 if args.rollout_engine == "vllm" else torch.float32
+        else:
+            self.staleness = 0
+            self.scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers)
+            model_dir = os.path.join(output_dir, "model_config")  # architecture only: vLLM starts with dummy weights
+            if placement.rank == 0:
+                save_model_config(args.model, tokenizer, model_dir)
+            dist.barrier()
+            self.engine = make_rollout_engine(
+                args.rollout_engine, policy, model_dir, tokenizer, stop_token_ids(args.model, tokenizer),
+                placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
+                args.seed, args.rollout_eager, args.sync_bucket_mb)
+            self.engine.sleep()  # until the first rollout: loading a training state needs the memory
+        # Training runs on packed rows; the colocated HF engine generates with the policy itself, so it keeps an
+        # attention that also takes padded batches (transformers' sdpa, which reads packing from position ids).
+        if device.type == "cuda" and (placement.split or args.rollout_engine != "hf"):
+            use_packed_attention(policy, device)
+        self.synced_version = -1  # the policy version the colocated engine holds
+        self.version = start_step  # the policy's version: updates made
+
+    # -----------------------------------------------------------------------------------------------------------
+    # What the loop calls.
+
+    def start(self) -> dict[str, float]:
+        """Once, after a training state (if any) was loaded: a fresh colocated run evaluates its initial weights
+        (returned, for the log's step 0); in split placement the rollout ranks get the weights they start from."""
+        if not self.placement.split:
+            return {} if self.start_step else self.evaluate(0, due=True)
+        if self.start_step < self.args.steps:
+            if self.placement.on_link:
+                shapes = weight_shapes(self.policy)
+                for r in range(self.placement.num_rollout):
+                    check_shapes(shapes, recv_object(self.placement.samples_link, 1 + r), r)
+            self._push_weights(self.start_step)
+        return {}
+
+    def next_batch(self, step: int) -> tuple[list[dict], dict[str, float]]:
+        """Collective: this rank's samples for `step` (prompt-major: each prompt's group_size responses in a row),
+        each {"prompt_ids", "response_ids", "logprobs", "finished", "reward", "version"}, and metrics already
+        summed over ranks (reward time-outs, staleness, the split side's timings and evaluations)."""
+        if self.placement.split:
+            return self._receive_batch(step)
+        metrics = self._sync()
+        prompts = self.sampler.next_batch()
+        with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
+            outputs = generate_and_score(self.engine, self.scorer, self.tokenizer, prompts, n=self.args.group_size,
+                                         max_tokens=self.args.max_response_len, temperature=self.args.temperature,
+                                         top_p=self.args.top_p, seed=self.args.seed * 1_000_003 + step)
+        if self.device.type == "cuda":
+            self.rollout_memory = memory_in_use(self.device)
+        self.engine.sleep()
+        with self.timer("reward"):  # what scoring adds after generation; a failure anywhere stops every rank
+            samples, timeouts = scored_samples(prompts, outputs, self.scorer, version=step - 1)
+        metrics["reward/timeouts"] = all_reduce_sum([timeouts], self.device)[0]
+        return samples, metrics
+
+    def publish(self, step: int, stop: bool = False) -> dict[str, float]:
+        """After the update of `step`: the policy is now version `step`. Colocated, the engine takes it before it
+        next generates or evaluates; split, it is streamed to the rollout ranks if a later batch or evaluation
+        needs it (not when stopping: the state is saved instead), and the last step collects the last evaluations."""
+        self.version = step
+        metrics = {}
+        if self.placement.split and not stop and step in self.versions_to_send:
+            metrics.update(self._push_weights(step))
+        if self.placement.split and step == self.args.steps:
+            self._log_evals(step, self._receive(None)["evals"], metrics)
+            close_link(self.placement)
+        return metrics
+
+    def evaluate(self, step: int, due: bool | None = None) -> dict[str, float]:
+        """Colocated: greedy accuracy on the held-out prompts, when due (every --eval-every steps and the last).
+        Split: nothing here, the rollout ranks evaluate (see next_batch)."""
+        due = due if due is not None else self.args.eval_every and step % self.args.eval_every == 0 \
+            or step == self.args.steps
+        if self.placement.split or not due:
+            return {}
+        self._sync()  # its metrics are the rollout's: the step already logs its own sync
+        with self.timer("eval"):
+            result = evaluate(self.engine, self.eval_rows, self.scorer, self.tokenizer, self.args,
+                              self.placement.rank, self.placement.world, self.device)
+        self.engine.sleep()
+        self.first_eval = self.first_eval or result
+        self.last_eval = result
+        return result
+
+    def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the data position and the evaluations so far."""
+        return {"sampler": self.sampler.state_dict(), "first_eval": self.first_eval, "last_eval": self.last_eval}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.first_eval, self.last_eval = state["first_eval"], state["last_eval"]
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Colocated.
+
+    def _sync(self) -> dict[str, float]:
+        """Brings the engine to the policy's version (once per version)."""
+        if self.synced_version == self.version:
+            return {}
+        with self.timer("sync"):
+            metrics = self.engine.update_weights(self.policy)
+        if self.args.check_weight_sync:
+            with self.timer("check_sync"):
+                self.engine.check_weights(self.policy)
+        self.synced_version = self.version
+        return metrics
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Split placement, trainer side.
+
+    def _push_weights(self, version: int) -> dict[str, float]:
+        send_header(self.placement, version, self.device)
+        with self.timer("sync"):  # includes waiting for the rollout ranks to take it (when they are still generating)
+            num_bytes = send_weights(self.placement, trainer_weights(self.policy, None, self.link_dtype),
+                                     self.link_dtype, self.args.sync_bucket_mb, self.device)
+        return {"sync/gb": num_bytes / 1e9} if self.placement.on_link else {}
+
+    def _receive(self, step: int | None) -> dict:
+        """Trainer 0 takes one message from every rollout rank; every trainer keeps its slice of the samples.
+        step None: the last message, with the evaluations of the last versions."""
+        placement = self.placement
+        box = [[recv_object(placement.samples_link, 1 + r) for r in range(placement.num_rollout)]
+               if placement.on_link else None]
+        dist.broadcast_object_list(box, src=0)
+        messages = box[0]
+        assert all(m["step"] == step for m in messages), f"expected step {step}, got {[m['step'] for m in messages]}"
+        samples = [s for m in messages for s in m["samples"]]
+        per_rank = len(samples) // placement.world
+        return {"samples": samples[placement.rank * per_rank:(placement.rank + 1) * per_rank],
+                "evals": messages[0]["evals"],
+                "seconds": {k: max(m["seconds"].get(k, 0.0) for m in messages) for k in messages[0]["seconds"]},
+                "reward_timeouts": float(sum(m["reward_timeouts"] for m in messages))}
+
+    def _receive_batch(self, step: int) -> tuple[list[dict], dict[str, float]]:
+        self.sampler.next_batch()  # the data position only
+        with self.timer("rollout_wait"):
+            batch = self._receive(step)
+        samples = batch["samples"]
+        metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
+        metrics["reward/timeouts"] = batch["reward_timeouts"]
+        self._log_evals(step, batch["evals"], metrics)
+        # How many updates old the weights that generated this batch were.
+        lag = staleness_metrics([s["version"] for s in samples], step - 1, self.staleness)
+        total, count = all_reduce_sum([lag["staleness_sum"], len(samples)], self.device)
+        metrics.update({"rollout/staleness_mean": total / max(count, 1),
+                        "rollout/staleness_max": max_over_ranks(lag["staleness_max"], self.device)})
+        return samples, metrics
+
+    def _log_evals(self, step: int, evals: dict[int, dict], metrics: dict) -> None:
+        """Evaluations from the rollout ranks arrive with later batches and are logged with their version; when
+        two land in one step, the earlier gets a row of its own."""
+        for version, result in sorted(evals.items()):
+            if "eval/version" in metrics:
+                self.logger.log(step, {k: metrics.pop(k) for k in [*result, "eval/version"]}, advance=False)
+            self.first_eval = result if version == 0 else self.first_eval
+            self.last_eval = result
+            metrics.update({**result, "eval/version": version})
+
+
+def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list, cap: float) -> dict:
+    """Sums over one rank's tokens of the truncated importance weights min(p_old / p_behaviour, cap) that correct
+    for the rollout engine's numerical mismatch and older weights: the weight sum, how many tokens were capped, and
+    the largest uncapped ratio."""
+    if not old_logprobs:
+        return {"tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
+    ratio = (torch.cat(old_logprobs) - torch.cat([torch.as_tensor(b, dtype=torch.float32)
+                                                   for b in behaviour_logprobs])).exp()
+    return {"tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
+            "tis_ratio_max": ratio.max().item()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation, rewards and evaluation, on whichever ranks generate.
+
+def generate_and_score(engine, scorer: RewardScorer, tokenizer, rows: list[dict], **sampling) -> list[list]:
+    """engine.generate on the rows' prompts; each prompt's group goes to the scorer as soon as it is complete, so
+    its scoring overlaps the generation of the others (collect_rewards gets the results)."""
+    def score(i: int, completions: list) -> None:
+        texts = [tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
+        scorer.submit(i, [rows[i]["prompt"]] * len(texts), texts, [rows[i]["answer"]] * len(texts))
+
+    return engine.generate([r["prompt_ids"] for r in rows], on_finish=score, **sampling)
+
+
+def collect_rewards(scorer: RewardScorer) -> tuple[list[list[float]], int]:
+    """Collective: the rewards of the groups generated since the last call, by prompt, and how many reward calls
+    timed out. A reward function that fails on any rank stops every rank with its message (instead of leaving the
+    others in a collective)."""
+    error, rewards, timeouts = None, [], 0
+    try:
+        rewards, timeouts = scorer.collect()
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = e
+    raise_on_all_ranks(error)
+    return rewards, timeouts
+
+
+def scored_samples(prompts: list[dict], outputs, scorer: RewardScorer, version: int) -> tuple[list[dict], int]:
+    """Collective (rewards): one dict per response, prompt-major, with its reward and the weight version that
+    generated it; and the number of reward calls that timed out."""
+    rewards, timeouts = collect_rewards(scorer)
+    samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs, finished=c.finished,
+                    reward=r, version=version)
+               for p, group, group_rewards in zip(prompts, outputs, rewards) for c, r in zip(group, group_rewards)]
+    return samples, timeouts
+
+
+def evaluate(engine, eval_rows, scorer, tokenizer, args, rank: int, world: int, device) -> dict[str, float]:
+    """Greedy pass@1 and mean reward on the held-out prompts, split evenly over ranks."""
+    per_rank = -(-len(eval_rows) // world)
+    mine = eval_rows[rank * per_rank:(rank + 1) * per_rank]
+    weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+    mine = mine + [eval_rows[0]] * (per_rank - len(mine))  # every rank generates the same number of prompts
+    generate_and_score(engine, scorer, tokenizer, mine, n=1, max_tokens=args.max_response_len, temperature=1.0,
+                       top_p=1.0, seed=0, greedy=True)
+    rewards = [group[0] for group in collect_rewards(scorer)[0]]
+    total, reward_sum, correct = all_reduce_sum(
+        [sum(weights), sum(w * r for w, r in zip(weights, rewards)), sum(w * (r > 0) for w, r in zip(weights, rewards))],
+        device)
+    return {"eval/accuracy": correct / total, "eval/reward": reward_sum / total}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Split placement, rollout side.
+
+def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows: list[dict], device, output_dir: str,
+                   start_step: int) -> None:
+    """On a rollout rank (--rollout-ranks), for the whole run: receive weights, generate, score, send; repeat.
+
+    The trainers send the versions of `weight_versions`, and this side receives each one just before the first
+    batch that needs it (so with --async-rollout it generates with weights up to --max-staleness updates old),
+    evaluates the versions due for evaluation, and sends each batch to trainer 0 without waiting for it to arrive:
+    up to max(1, staleness) batches may be on their way while this side waits for the next version.
+    The last message carries the evaluations of the last versions; the trainers save after it. Ends the process.
+    """
+    staleness = args.max_staleness if args.async_rollout else 0
+    if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
+        return finish_distributed(exit_process=True)
+    scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers)
+    model_dir = save_model_config(args.model, tokenizer, os.path.join(output_dir, f"model_config_rollout{placement.rank}"))
+    stop_ids = stop_token_ids(args.model, tokenizer)
+    if args.rollout_engine == "vllm":
+        engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
+                                     args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
+                                     args.rollout_eager, args.sync_bucket_mb)
+        with torch.device("meta"):  # names and shapes only
+            shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
+        dtype, load, loaded = torch.bfloat16, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
+    else:
+        model = load_model(args.model, tokenizer, args.seed).to(device)  # overwritten by the first version received
+        engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
+                                     0.0, 0, args.seed, False, 0)
+        shapes, dtype, load, loaded = weight_shapes(model), torch.float32, load_into_module(model), lambda: None
+    # After the engine, which may set handlers of its own. Nothing to save here: the trainers save, and a resumed run
+    # sends the weights back.
+    exit_on_stop_signals()
+    sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank, placement.world,
+                            args.seed)
+    for _ in range(start_step):  # the trainers' data position: batches are a function of the step
+        sampler.next_batch()
+    versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
+    to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
+    held, evals, seconds, pending = None, {}, {}, collections.deque()
+    pending.append(send_object(placement.samples_link, shapes, 0))  # trainer 0 checks them against its own
+
+    def receive_through(version: int) -> None:
+        """Receives every scheduled version up to `version`, evaluating those due."""
+        nonlocal held
+        while versions and versions[0] <= version:
+            received = recv_header(placement, device)
+            assert received == versions.pop(0), f"weight version {received} arrived out of schedule"
+            start = time.perf_counter()
+            recv_weights(placement, shapes, dtype, args.sync_bucket_mb, device, load)
+            loaded()  # vLLM: cached prompt KV was computed with the old weights
+            seconds["sync"] = seconds.get("sync", 0.0) + time.perf_counter() - start
+            held = received
+            if held in to_evaluate:
+                start = time.perf_counter()
+                evals[held] = evaluate(engine, eval_rows, scorer, tokenizer, args, placement.rank, placement.world,
+                                       device)
+                seconds["eval"] = seconds.get("eval", 0.0) + time.perf_counter() - start
+
+    def send(message: dict) -> None:
+        # A send completes once trainer 0 receives it, and trainer 0 takes batch k only after it has sent the
+        # version that batch k + staleness is generated with: so up to `staleness` batches stay in flight.
+        while len(pending) >= max(1, staleness):
+            pending.popleft().wait()
+        message.update(evals=dict(evals), seconds=dict(seconds))
+        evals.clear(), seconds.clear()
+        pending.append(send_object(placement.samples_link, message, 0))
+
+    for step in range(start_step + 1, args.steps + 1):
+        receive_through(behaviour_version(step, start_step, staleness))
+        prompts = sampler.next_batch()
+        start = time.perf_counter()
+        outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
+                                     max_tokens=args.max_response_len, temperature=args.temperature,
+                                     top_p=args.top_p, seed=args.seed * 1_000_003 + step)
+        seconds["generate"] = time.perf_counter() - start
+        start = time.perf_counter()  # what scoring adds after generation
+        samples, reward_timeouts = scored_samples(prompts, outputs, scorer, version=held)
+        seconds["reward"] = time.perf_counter() - start
+        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts})
+    receive_through(args.steps)  # the last versions (evaluation only)
+    send({"step": None, "samples": [], "reward_timeouts": 0})
+    while pending:
+        pending.popleft().wait()
+    close_link(placement)
+    scorer.close()
+    finish_distributed(exit_process=True)
