@@ -37,6 +37,7 @@ from common.logprobs import compute_logprobs, packed_response_logprobs, sample_l
 from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model
 from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hyperparameters
 from common.perf import TrainingMemoryPeak, mfu, peak_flops
+from common.rewards import load_reward_fn
 from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
 from common.rollouts import Rollouts, serve_rollouts, tis_metrics
 from common.rundir import open_run_dir
@@ -364,6 +365,7 @@ def main():
     if args.reward_workers is None:
         args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
     check_args(args, placement.num_trainers)
+    load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
     torch.manual_seed(args.seed)
 
     # The run's directory: locked for this run, and resumed from its newest intact training state (--resume auto).

@@ -76,6 +76,7 @@ class Rollouts:
         # attention that also takes padded batches (transformers' sdpa, which reads packing from position ids).
         if device.type == "cuda" and (placement.split or args.rollout_engine != "hf"):
             use_packed_attention(policy, device)
+        self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
         self.synced_version = -1  # the policy version the colocated engine holds
         self.version = start_step  # the policy's version: updates made
 
@@ -98,7 +99,7 @@ class Rollouts:
     def next_batch(self, step: int) -> tuple[list[dict], dict[str, float]]:
         """Collective: this rank's samples for `step` (prompt-major: each prompt's group_size responses in a row),
         each {"prompt_ids", "response_ids", "logprobs", "finished", "reward", "version"}, and metrics already
-        summed over ranks (reward time-outs, staleness, the split side's timings and evaluations)."""
+        summed over ranks (reward time-outs, staleness, the split side's timings)."""
         if self.placement.split:
             return self._receive_batch(step)
         metrics = self._sync()
@@ -118,15 +119,16 @@ class Rollouts:
     def publish(self, step: int, stop: bool = False) -> dict[str, float]:
         """After the update of `step`: the policy is now version `step`. Colocated, the engine takes it before it
         next generates or evaluates; split, it is streamed to the rollout ranks if a later batch or evaluation
-        needs it (not when stopping: the state is saved instead), and the last step collects the last evaluations."""
+        needs it (not when stopping: the state is saved instead), and the evaluations that arrived with this step's
+        batch (the last step: the last ones) are returned for the step's row."""
         self.version = step
         metrics = {}
         if self.placement.split and not stop and step in self.versions_to_send:
             metrics.update(self._push_weights(step))
         if self.placement.split and step == self.args.steps:
-            self._log_evals(step, self._receive(None)["evals"], metrics)
+            self.arrived_evals.update(self._receive(None)["evals"])
             close_link(self.placement)
-        return metrics
+        return {**metrics, **self._eval_metrics(step)}
 
     def evaluate(self, step: int, due: bool | None = None) -> dict[str, float]:
         """Colocated: greedy accuracy on the held-out prompts, when due (every --eval-every steps and the last).
@@ -204,7 +206,7 @@ class Rollouts:
         samples = batch["samples"]
         metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
         metrics["reward/timeouts"] = batch["reward_timeouts"]
-        self._log_evals(step, batch["evals"], metrics)
+        self.arrived_evals.update(batch["evals"])  # reported by publish
         # How many updates old the weights that generated this batch were.
         lag = staleness_metrics([s["version"] for s in samples], step - 1, self.staleness)
         total, count = all_reduce_sum([lag["staleness_sum"], len(samples)], self.device)
@@ -212,15 +214,17 @@ class Rollouts:
                         "rollout/staleness_max": max_over_ranks(lag["staleness_max"], self.device)})
         return samples, metrics
 
-    def _log_evals(self, step: int, evals: dict[int, dict], metrics: dict) -> None:
-        """Evaluations from the rollout ranks arrive with later batches and are logged with their version; when
-        two land in one step, the earlier gets a row of its own."""
-        for version, result in sorted(evals.items()):
-            if "eval/version" in metrics:
-                self.logger.log(step, {k: metrics.pop(k) for k in [*result, "eval/version"]}, advance=False)
+    def _eval_metrics(self, step: int) -> dict[str, float]:
+        """The evaluations that arrived from the rollout ranks during this step, with their versions: the newest for
+        the step's row, any earlier one logged in a row of its own."""
+        evals = sorted(self.arrived_evals.items())
+        self.arrived_evals = {}
+        for version, result in evals[:-1]:
+            self.logger.log(step, {**result, "eval/version": version}, advance=False)
+        for version, result in evals:
             self.first_eval = result if version == 0 else self.first_eval
             self.last_eval = result
-            metrics.update({**result, "eval/version": version})
+        return {**evals[-1][1], "eval/version": evals[-1][0]} if evals else {}
 
 
 def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list, cap: float) -> dict:

@@ -36,7 +36,7 @@ sync() {  # sync SHAPE TP GPUS: the weight-sync bench
 
 if [ "$mode" = one ]; then
   a=${3:-0}; b=${4:-0}
-  ( run gpu_tests 240 $a python3 -m pytest -m gpu tests/test_gpu.py tests/test_batching.py -q -rs -s -p no:cacheprovider
+  ( run gpu_tests 240 $a python3 -m pytest -m gpu tests/test_gpu.py tests/test_logprobs.py -q -rs -s -p no:cacheprovider
     run grpo_1gpu 240 $a torchrun --standalone --nproc_per_node 1 $GRPO --rollout-eager --output-dir /tmp/g1_$mode ) &
   ( run bench_rollout 300 $b torchrun --standalone --nproc_per_node 1 scripts/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
     for s in 0.5b 1.5b 7b; do sync $s 1 $b; done ) &
@@ -51,7 +51,7 @@ elif [ "$mode" = four ]; then
   run grpo_4gpu_tp2 300 $g torchrun --standalone --nproc_per_node 4 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g4_$mode
   for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
   sync 7b 4 $g
-  run gpu_tests_batching 120 ${g%%,*} python3 -m pytest -m gpu tests/test_batching.py -q -rs -s -p no:cacheprovider
+  run gpu_tests_batching 120 ${g%%,*} python3 -m pytest -m gpu tests/test_logprobs.py -q -rs -s -p no:cacheprovider
 elif [ "$mode" = 7b ]; then
   g=$3; tp=$4; n=$(echo "$g" | tr , '\n' | wc -l); name=grpo_7b_${n}gpu_tp$tp
   [ -d /tmp/qwen7b ] || python3 scripts/random_model.py --shape 7b --out /tmp/qwen7b || exit 1
