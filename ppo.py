@@ -4,7 +4,8 @@ Ouyang et al. 2022 (https://arxiv.org/abs/2203.02155) and as verl / OpenRLHF run
 Each response token is an action. Its reward is minus a KL penalty to a frozen reference model, and the last
 response token also gets the sequence's score. A critic (a value head on a copy of the model) predicts V for
 the state before each response token; GAE turns rewards and values into per-token advantages, whitened over the
-whole batch of every rank, and returns (the critic's targets).
+whole batch of every rank, and returns (the critic's targets). The policy takes PPO's clipped surrogate, the
+critic a clipped squared error, both normalised by the token count of the whole mini-batch on all ranks.
 
 Every function below takes right-padded [batch, seq] tensors over response tokens with a float mask (1 for a real
 response token, 0 for padding). This file holds the math only so far: main() is to come.
@@ -90,3 +91,58 @@ def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask > 0, whitened, 0.0).to(x.dtype)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
+    """PPO's clipped surrogate per token: max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), r = pi / pi_old.
+
+    All [batch, seq]. Returns (token_loss, clipped), clipped where the clipped branch is the larger: those tokens
+    pass no gradient. Separate low / high bounds as in DAPO (https://arxiv.org/abs/2503.14476); equal is PPO's.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped  # pessimistic: no gain past the clip
+
+
+def value_loss(values, old_values, returns, value_clip: float | None):
+    """The critic's clipped squared error per token: 0.5 * max((v - R)^2, (old_v + clip(v - old_v, +-c) - R)^2).
+
+    All [batch, seq]; old_values are the critic's values at rollout time. As with the policy's clip, the max takes
+    the larger error, so the critic gains nothing from moving more than value_clip away from its rollout values.
+    Returns (token_loss, clipped), clipped where the clipped branch is the larger (no gradient through it).
+    value_clip None: the plain 0.5 * (v - R)^2, nothing clipped.
+    """
+    unclipped = (values - returns) ** 2
+    if value_clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def token_mean_share(token_loss, mask, num_tokens: float):
+    """This micro-batch's share of the mini-batch's token mean: sum(token_loss * mask) / num_tokens.
+
+    num_tokens counts the real tokens of the whole mini-batch over all ranks and micro-batches, so the shares of
+    all micro-batches of all ranks add up to the mini-batch mean whatever the split. (FSDP averages gradients over
+    ranks: backward on share * world.) A mean per micro-batch instead weighs the tokens of a short micro-batch
+    more and changes the effective learning rate with the split: verl's critic loss once did.
+    """
+    return (token_loss * mask).sum() / num_tokens
+
+
+@torch.no_grad()
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var[R - V] / Var[R] over the real tokens of all ranks: 1 for a perfect critic, 0 for one that predicts
+    the mean return everywhere, negative for one worse than that. values, returns, mask: [batch, seq].
+
+    Biased variances, as masked_whiten. When the returns do not vary (Var[R] <= 1e-8, or no real tokens), the
+    ratio means nothing: 1.0 if the critic is exact there too (Var[R - V] <= 1e-8), else 0.0, as scikit-learn's
+    explained_variance_score does; never NaN, so a logged curve has no holes.
+    """
+    _, var_returns = masked_mean_var(returns, mask)
+    _, var_residual = masked_mean_var(returns - values, mask)
+    if var_returns <= 1e-8:
+        return 1.0 if var_residual <= 1e-8 else 0.0
+    return float(1 - var_residual / var_returns)

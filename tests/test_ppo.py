@@ -1,4 +1,4 @@
-"""PPO math against hand-computed values, and whitening on 2 gloo ranks == 1 rank."""
+"""PPO math against hand-computed values, and the global statistics on 2 gloo ranks == 1 rank."""
 
 import math
 import os
@@ -84,8 +84,79 @@ def test_masked_whiten_by_hand():
     assert torch.equal(ppo.masked_whiten(x, torch.zeros(2, 3)), torch.zeros(2, 3))
 
 
+@pytest.mark.parametrize("advantage, ratio, expected_loss, expected_clipped", [
+    (1.0, 1.5, -1.28, True),    # A > 0, r above 1 + 0.28: max(-1.5, -1.28) = -1.28, the clipped branch
+    (-1.0, 0.5, 0.8, True),     # A < 0, r below 1 - 0.2: max(0.5, 0.8) = 0.8, the clipped branch
+    (1.0, 0.5, -0.5, False),    # A > 0, r below 1 - 0.2: max(-0.5, -0.8) = -0.5, the lower bound does not bind
+    (-1.0, 1.5, 1.5, False),    # A < 0, r above 1 + 0.28: max(1.5, 1.28) = 1.5, full penalty
+    (2.0, 1.1, -2.2, False),    # inside [0.8, 1.28]: -2 * 1.1
+])
+def test_policy_loss_clip_bounds(advantage, ratio, expected_loss, expected_clipped):
+    old = torch.tensor([[-1.0]])
+    logprobs = (old + math.log(ratio)).requires_grad_()
+    loss, clipped = ppo.policy_loss(logprobs, old, torch.tensor([[advantage]]), clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
+    assert clipped.item() == expected_clipped
+    loss.sum().backward()
+    # d(-A * r)/d logprob = -A * r; a clipped token passes nothing.
+    assert logprobs.grad.item() == pytest.approx(0.0 if expected_clipped else -advantage * ratio, abs=1e-6)
+
+
+@pytest.mark.parametrize("value, ret, expected_loss, expected_clipped", [
+    # old value 1.0, value_clip 0.2: the clipped value lies in [0.8, 1.2].
+    (1.5, 2.0, 0.32, True),     # above: max((1.5 - 2)^2, (1.2 - 2)^2) = max(0.25, 0.64); 0.5 * 0.64
+    (0.5, 0.0, 0.32, True),     # below: max((0.5 - 0)^2, (0.8 - 0)^2) = max(0.25, 0.64); 0.5 * 0.64
+    (1.5, 0.0, 1.125, False),   # above but moving away from R: max(2.25, 1.44) = 2.25; 0.5 * 2.25
+    (1.1, 2.0, 0.405, False),   # inside: both (1.1 - 2)^2 = 0.81; 0.5 * 0.81
+])
+def test_value_loss_clip_bounds(value, ret, expected_loss, expected_clipped):
+    values = torch.tensor([[value]], requires_grad=True)
+    loss, clipped = ppo.value_loss(values, torch.tensor([[1.0]]), torch.tensor([[ret]]), value_clip=0.2)
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
+    assert clipped.item() == expected_clipped
+    loss.sum().backward()
+    # d(0.5 (v - R)^2)/dv = v - R; the clipped branch is constant in v.
+    assert values.grad.item() == pytest.approx(0.0 if expected_clipped else value - ret, abs=1e-6)
+    unclipped, none_clipped = ppo.value_loss(values, torch.tensor([[1.0]]), torch.tensor([[ret]]), value_clip=None)
+    assert unclipped.item() == pytest.approx(0.5 * (value - ret) ** 2) and not none_clipped.item()
+
+
+def test_token_mean_share_adds_up_whatever_the_split():
+    token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    mean = (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9) / 9  # = 5
+    for splits in [[4], [1, 3], [2, 2], [3, 1], [1, 1, 2], [1, 1, 1, 1]]:  # micro-batches (or ranks) of rows
+        parts = zip(token_loss.split(splits), mask.split(splits))
+        assert sum(ppo.token_mean_share(loss, m, num_tokens=9).item() for loss, m in parts) == pytest.approx(mean)
+    # A mean per micro-batch would not: [rows 0-1] and [rows 2-3] give (10 / 4 + 35 / 5) / 2 = 4.75, not 5.
+    per_micro_batch = [(loss * m).sum() / m.sum() for loss, m in zip(token_loss.split(2), mask.split(2))]
+    assert (sum(per_micro_batch) / 2).item() == pytest.approx(4.75)
+
+
+def test_explained_variance_by_hand():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    returns = torch.tensor([[1.0, 2.0, 50.0], [3.0, 4.0, -50.0]])  # junk on padding
+    # Real returns 1, 2, 3, 4: mean 2.5, biased Var[R] = 1.25.
+    assert ppo.explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)  # perfect critic
+    assert ppo.explained_variance(torch.full((2, 3), 2.5), returns, mask) == pytest.approx(0.0)  # V = mean R
+    # V = 1, 2, 3, 3: R - V = 0, 0, 0, 1, mean 0.25, Var = (3 * 0.0625 + 0.5625) / 4 = 0.1875.
+    values = torch.tensor([[1.0, 2.0, 0.0], [3.0, 3.0, 0.0]])
+    assert ppo.explained_variance(values, returns, mask) == pytest.approx(1 - 0.1875 / 1.25)  # 0.85
+    # V = 0, or V = 2R - 2.5 (R - V = 2.5 - R): either way Var[R - V] = Var[R], so 0 as well.
+    assert ppo.explained_variance(torch.zeros(2, 3), returns, mask) == pytest.approx(0.0)
+    assert ppo.explained_variance(2 * returns - 2.5, returns, mask) == pytest.approx(0.0)
+    # V = 2.5 - 2 (R - 2.5): R - V = 3 (R - 2.5), Var = 9 * 1.25: 1 - 9 = -8, worse than predicting the mean.
+    assert ppo.explained_variance(2.5 - 2 * (returns - 2.5), returns, mask) == pytest.approx(-8.0)
+    # Returns that do not vary: 1.0 if the critic is exact (up to a constant), else 0.0; never NaN.
+    flat = torch.full((2, 3), 0.3)
+    assert ppo.explained_variance(flat.clone(), flat, mask) == 1.0
+    assert ppo.explained_variance(flat + 7.0, flat, mask) == 1.0  # Var[R - V] = 0: V - R is constant
+    assert ppo.explained_variance(values, flat, mask) == 0.0
+    assert ppo.explained_variance(values, returns, torch.zeros(2, 3)) == 1.0  # no real tokens
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Whitening on 2 gloo ranks (different batch sizes and widths) == 1 rank on all the data.
+# Whitening and explained variance on 2 gloo ranks (different batch sizes and widths) == 1 rank on all the data.
 
 def rank_data():
     """Per rank: (x, values, mask). Rank 0 holds 3 rows of width 4, rank 1 holds 2 rows of width 2."""
@@ -102,7 +173,8 @@ def rank_data():
 def global_stats(rank: int, world: int, port: int, out_dir: str):
     init_gloo(rank, world, port)
     x, values, mask = rank_data()[rank]
-    torch.save({"whitened": ppo.masked_whiten(x, mask), "kept_mean": ppo.masked_whiten(x, mask, shift_mean=False)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"whitened": ppo.masked_whiten(x, mask), "kept_mean": ppo.masked_whiten(x, mask, shift_mean=False),
+                "ev": ppo.explained_variance(values, x, mask)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finish_gloo()
 
 
@@ -120,7 +192,10 @@ def test_global_statistics_two_ranks_match_one(tmp_path):
     assert real.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-6)
     assert torch.equal(whitened[~mask.bool()], torch.zeros(10))
     kept_mean = ppo.masked_whiten(x, mask, shift_mean=False)
+    ev = ppo.explained_variance(values, x, mask)
     for rank, start, end in [(0, 0, 3), (1, 3, 5)]:
         got = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(pad_to(got["whitened"], 4), whitened[start:end])
         torch.testing.assert_close(pad_to(got["kept_mean"], 4), kept_mean[start:end])
+        assert got["ev"] == pytest.approx(ev, rel=1e-6)
+    assert ev == pytest.approx(1 - (x - values)[mask.bool()].var(unbiased=False) / x[mask.bool()].var(unbiased=False))
