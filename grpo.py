@@ -30,7 +30,6 @@ import torch
 from common.batching import batching_metrics, pad_rows, plan_equal_micro_batches, share_samples_evenly
 from common.data import load_train_eval, tokenize_prompts
 from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
-from common.engines import resolve_engine_kind
 from common.errors import check_ranges, parse_args, run_main
 from common.logger import Logger, StageTimer
 from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths, use_packed_attention
@@ -39,7 +38,7 @@ from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hype
 from common.perf import TrainingMemoryPeak, mfu, peak_flops
 from common.rewards import load_reward_fn
 from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
-from common.rollouts import Rollouts, serve_rollouts, tis_metrics
+from common.rollouts import Rollouts, check_rollout_args, fill_rollout_defaults, serve_rollouts, tis_metrics
 from common.rundir import open_run_dir
 from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
 from common.split import init_placement
@@ -184,26 +183,11 @@ FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "answer_k
 def check_args(args: Args, world: int) -> None:
     """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded).
     world: the ranks that train (all of them, or those left by --rollout-ranks)."""
-    check_ranges(args, positive=["lr", "temperature", "top_p", "max_grad_norm", "reward_timeout"],
-                 at_least_one=["steps", "prompts_per_step", "max_response_len", "max_prompt_len", "epochs",
-                               "num_mini_batches", "eval_size", "max_tokens_per_micro_batch", "reward_workers",
-                               "rollout_tp"],
+    check_ranges(args, positive=["lr", "max_grad_norm"],
+                 at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "eval_every",
-                               "save_every", "save_state_every", "keep_checkpoints", "rollout_ranks"])
-    if args.top_p > 1:
-        raise ValueError(f"--top-p must be at most 1, got {args.top_p}")
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} training ranks")
-    generating = args.rollout_ranks or world
-    if generating % args.rollout_tp:
-        raise ValueError(f"--rollout-tp {args.rollout_tp} must divide the number of generating ranks ({generating})")
-    if args.rollout_ranks and args.prompts_per_step % args.rollout_ranks:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --rollout-ranks "
-                         f"{args.rollout_ranks}")
-    if args.async_rollout and not args.rollout_ranks:
-        raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
-    if args.max_staleness < 1:
-        raise ValueError("--max-staleness must be at least 1")
+                               "save_every", "save_state_every", "keep_checkpoints"])
+    check_rollout_args(args, world)
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
@@ -359,11 +343,7 @@ def main():
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
     args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
-    if args.async_rollout and args.tis_cap is None:
-        args.tis_cap = 2.0
-    args.rollout_engine = resolve_engine_kind(args.rollout_engine)
-    if args.reward_workers is None:
-        args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
+    fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts
     check_args(args, placement.num_trainers)
     load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
     torch.manual_seed(args.seed)

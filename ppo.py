@@ -7,15 +7,228 @@ the state before each response token; GAE turns rewards and values into per-toke
 whole batch of every rank, and returns (the critic's targets). The policy takes PPO's clipped surrogate, the
 critic a clipped squared error, both normalised by the token count of the whole mini-batch on all ranks.
 
-Every function below takes right-padded [batch, seq] tensors over response tokens with a float mask (1 for a real
-response token, 0 for padding). This file holds the math only so far: main() is to come.
+Each step: rollout -> reward (rule and/or reward model) -> values and log-probs -> advantages (GAE, whitened) ->
+update critic and policy -> weight sync -> log -> checkpoint. Before the policy first moves, the critic warms up on
+the first batch until it explains enough of the returns' variance (--critic-warmup-ev): a fresh critic's values
+are noise, and the advantages made from them would push the policy at random. The math functions take
+right-padded [batch, seq] tensors over response tokens with a float mask (1 for a real token, 0 for padding).
+Where samples come from (colocated vLLM or split placement, async) is common/rollouts.py's business.
+Left out on purpose: adaptive KL control, a separate reward-model tokenizer's chat template (its text is
+re-tokenized as is), critic and policy sharing one body.
 
-    torchrun --nproc_per_node 2 ppo.py
+    torchrun --nproc_per_node 2 ppo.py                  # built-in tiny model and task, CPU, about a minute
+    torchrun --nproc_per_node 8 ppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
+        --dataset-config main --prompt-key question --reward-fn gsm8k
 """
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from common.batching import batching_metrics, pad_rows, plan_equal_micro_batches, share_samples_evenly
+from common.data import load_train_eval, tokenize_prompts
+from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
+from common.errors import check_ranges, parse_args, run_main
+from common.logger import Logger, StageTimer
+from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths, use_packed_attention
+from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model
+from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hyperparameters
+from common.perf import TrainingMemoryPeak, mfu, peak_flops
+from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
+from common.rewards import load_reward_fn
+from common.rollouts import Rollouts, check_rollout_args, fill_rollout_defaults, serve_rollouts, tis_metrics
+from common.rundir import open_run_dir
+from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
+from common.split import init_placement
+from common.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
+from sharding.checkpoint import save_hf_checkpoint
+
+
+@dataclass
+class Args:
+    # model and data
+    model: str | None = None
+    """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
+    dataset: str | None = None
+    """HF hub dataset name or a local .jsonl/.json/.parquet/.csv file (also compressed, e.g. .jsonl.gz); unset: the
+    built-in synthetic task"""
+    dataset_config: str | None = None
+    """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
+    rendered by the chat template; the reward function gets its last user message)"""
+    answer_key: str = "answer"
+    """dataset column holding the reference answer passed to the reward function"""
+    eval_split: str = "test"
+    """hub dataset split to evaluate on; a local file holds out --eval-size rows instead"""
+    eval_size: int | None = None
+    """number of held-out prompts evaluated; unset: 256, or a tenth of a local file of fewer than 2,560 rows"""
+    reward_fn: str | None = None
+    """gsm8k, math, synthetic, none or path/to/file.py:function (rule rewards, added to --reward-model's score);
+    unset: synthetic for the built-in task, none with --reward-model, else gsm8k"""
+    reward_model: str | None = None
+    """an AutoModelForSequenceClassification checkpoint (one label) that scores each whole response, frozen"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of a response cut at --max-response-len (it never reached a stop token)"""
+    reward_workers: int | None = None
+    """processes per rank that run the reward function, scoring each prompt's responses as soon as they are
+    generated, while the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response
+    at once)"""
+    chat_template: bool | None = None
+    """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
+
+    # rollout
+    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm on GPUs when installed, else hf (the trained model's own generate, slow but runs anywhere)"""
+    rollout_tp: int = 1
+    """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
+    rollout_gpu_memory: float = 0.5
+    """fraction of GPU memory vLLM may take for weights and KV cache"""
+    rollout_eager: bool = False
+    """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
+    sync_bucket_mb: int = 512
+    """size of the buckets the trainer's weights are streamed to vLLM in"""
+    check_weight_sync: bool = False
+    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated)"""
+    rollout_ranks: int = 0
+    """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
+    trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
+    async_rollout: bool = False
+    """with --rollout-ranks: generate the next batch while the trainers train on this one (off-policy by up to
+    --max-staleness updates, corrected with --tis-cap)"""
+    max_staleness: int = 1
+    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
+    prompts_per_step: int = 64
+    """prompts per step over all ranks"""
+    group_size: int = 4
+    """responses sampled per prompt (each is its own episode: PPO's advantages come from the critic)"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    max_prompt_len: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    max_response_len: int | None = None
+    """maximum new tokens per response (generation also stops at EOS); unset: 2 for the built-in task, else 1024"""
+
+    # optimisation
+    steps: int = 120
+    """number of PPO steps (rollout + update)"""
+    lr: float | None = None
+    """the policy's AdamW learning rate; unset: 5e-4 for the built-in tiny model (random init), else 1e-6"""
+    critic_lr: float | None = None
+    """the critic's AdamW learning rate; unset: 1e-3 for the built-in tiny model, else 1e-5"""
+    warmup_steps: int = 5
+    """linear learning-rate warmup over this many updates (policy and critic)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (policy and critic)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (policy and critic, each its own)"""
+    critic_model: str | None = None
+    """checkpoint the critic starts from: a causal LM, or a sequence-classification reward model whose score head
+    becomes the value head; unset: the policy's own initial weights"""
+    gamma: float = 1.0
+    """discount of later rewards"""
+    lam: float = 0.95
+    """GAE's lambda: 1 uses the whole observed return (high variance), 0 only the critic's next value (high bias)"""
+    kl_coef: float = 0.001
+    """weight of the KL to the frozen initial policy: per token in the reward (k1), or in the loss (k3) with
+    --kl-in-loss; 0 loads no reference model"""
+    kl_in_loss: bool = False
+    """put the KL penalty in the policy loss (k3, as GRPO does) instead of the reward"""
+    clip_low: float = 0.2
+    """PPO ratio clip below: ratio >= 1 - clip_low"""
+    clip_high: float = 0.2
+    """PPO ratio clip above: ratio <= 1 + clip_high"""
+    value_clip: float | None = 0.5
+    """the critic's values may move at most this far from their rollout-time values per update (clipped value
+    loss); None: unclipped"""
+    entropy_coef: float = 0.0
+    """weight of an entropy bonus in the policy loss"""
+    critic_warmup_ev: float = 0.5
+    """before the policy first moves, the critic trains on the first batch until its explained variance on it
+    reaches this (or --critic-warmup-steps runs out): a fresh critic's values are noise"""
+    critic_warmup_steps: int = 20
+    """most critic updates of that warmup; 0: no warmup"""
+    num_mini_batches: int = 1
+    """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
+    epochs: int = 1
+    """passes over each rollout batch"""
+    max_tokens_per_micro_batch: int = 16384
+    """token budget of one forward/backward pass: sequences are packed end to end (no padding) up to this many"""
+    tis_cap: float | None = None
+    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
+    rollout engine's numerical mismatch and, with --async-rollout, its older weights; unset: off, or 2 with
+    --async-rollout"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer in backward to save memory"""
+
+    # evaluation, checkpoints, logging
+    eval_every: int = 25
+    """greedy evaluation on the held-out prompts every this many steps (and before and after training)"""
+    save_every: int = 0
+    """write an HF-format checkpoint every this many steps; 0: only at the end"""
+    save_state_every: int = 50
+    """write a resumable training state (sharded model and optimizer, scheduler, data position, RNG) every this
+    many steps; 0: only at the end and on SIGTERM"""
+    keep_checkpoints: int = 2
+    """resumable training states kept in the output dir (the newest); 0 keeps all"""
+    resume: str = "auto"
+    """auto: continue from the newest intact training state in the output dir, if any; none: start afresh (refused
+    where another run's files are, unless --overwrite); or the path of a state_<step> directory"""
+    overwrite: bool = False
+    """delete the run already in the output dir (its states, exports and metrics) and start afresh"""
+    reward_timeout: float | None = 30.0
+    """seconds one reward call may take: a slower one is stopped (its process killed and replaced), scores 0 and is
+    counted (reward/timeouts); None: no limit"""
+    max_bad_steps: int = 5
+    """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
+    output_dir: str | None = None
+    """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
+    run_name: str | None = None
+    """unset: ppo_<dataset>_s<seed>_<hash of the flags that define the run>, so that the same command resumes its
+    run and a changed one starts a new run (--steps, cadences, logging and memory flags are not in the hash)"""
+    seed: int = 1
+    """seed for the model init, data order and sampling"""
+    track: bool = False
+    """log to Weights & Biases (respects WANDB_MODE, e.g. offline)"""
+    wandb_project: str = "nanorl"
+    """W&B project"""
+
+
+# Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
+FIXED_ON_RESUME = ("model", "critic_model", "reward_model", "dataset", "dataset_config", "prompt_key", "answer_key",
+                   "eval_split", "eval_size", "seed", "group_size", "prompts_per_step", "max_prompt_len",
+                   "chat_template")
+
+
+def check_args(args: Args, world: int) -> None:
+    """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded).
+    world: the ranks that train (all of them, or those left by --rollout-ranks)."""
+    check_ranges(args, positive=["lr", "critic_lr", "max_grad_norm", "value_clip"],
+                 at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
+                 non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "entropy_coef",
+                               "missing_eos_penalty", "critic_warmup_steps", "eval_every", "save_every",
+                               "save_state_every", "keep_checkpoints"])
+    check_rollout_args(args, world)
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise ValueError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
+    if args.reward_fn == "none" and args.reward_model is None:
+        raise ValueError("--reward-fn none needs --reward-model: the responses would all score 0")
+    if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
+        raise ValueError(f"--num-mini-batches {args.num_mini_batches} is more than the samples per rank")
+    if args.max_prompt_len + args.max_response_len > args.max_tokens_per_micro_batch:
+        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole sequence: "
+                         f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The math: per-token rewards, GAE, whitening, the two losses.
 
 @torch.no_grad()
 def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
@@ -146,3 +359,350 @@ def explained_variance(values, returns, mask) -> float:
     if var_returns <= 1e-8:
         return 1.0 if var_residual <= 1e-8 else 0.0
     return float(1 - var_residual / var_returns)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One step's pieces: scores, advantages, the two updates.
+
+def add_scores(samples: list[dict], args: Args, reward_model, rm_tokenizer, tokenizer, device) -> None:
+    """Collective (the reward model): each sample's sequence score, which lands on its last response token: the rule
+    reward, plus the reward model's score, minus --missing-eos-penalty for a response cut at the length limit."""
+    model_scores = [0.0] * len(samples)
+    if reward_model is not None:
+        model_scores = reward_model_scores(reward_model, rm_tokenizer, tokenizer, samples,
+                                           args.max_tokens_per_micro_batch, device)
+    for s, model_score in zip(samples, model_scores):
+        s["model_score"] = model_score
+        s["score"] = s["reward"] + model_score - args.missing_eos_penalty * (not s["finished"])
+
+
+def padded(samples: list[dict], key: str, device) -> torch.Tensor:
+    """The per-token values `key` of the samples as [n, longest response], right-padded with 0."""
+    return pad_rows([s[key] for s in samples]).to(device)
+
+
+def add_advantages(samples: list[dict], args: Args, device) -> None:
+    """Collective (whitening): per-token rewards (the score on the last token, minus the KL to the reference on
+    every token unless it is in the loss), GAE advantages and returns from the rollout-time values, and the
+    advantages whitened over every rank's tokens."""
+    mask = pad_rows([torch.ones(len(s["response_ids"])) for s in samples]).to(device)
+    kl_coef = 0.0 if args.kl_in_loss else args.kl_coef
+    ref = padded(samples, "ref_logprobs", device) if "ref_logprobs" in samples[0] else None
+    scores = torch.tensor([s["score"] for s in samples], device=device)
+    rewards, _ = token_rewards(scores, mask, padded(samples, "old_logprobs", device), ref, kl_coef)
+    advantages, returns = gae(rewards, padded(samples, "old_values", device), mask, args.gamma, args.lam)
+    whitened = masked_whiten(advantages, mask)
+    for i, s in enumerate(samples):
+        n = len(s["response_ids"])
+        s["raw_advantages"], s["advantages"], s["returns"] = (x[i, :n].cpu() for x in (advantages, whitened, returns))
+
+
+def mini_batches(samples: list[dict], args: Args, generator):
+    """Each epoch, the samples shuffled with `generator` (None keeps their order) and cut into --num-mini-batches
+    parts: exactly that many on every rank, even where ranks hold different counts (tensor_split, not chunk)."""
+    for _ in range(args.epochs):
+        order = torch.randperm(len(samples), generator=generator) if generator is not None else torch.arange(len(samples))
+        for part in torch.tensor_split(order, args.num_mini_batches):
+            yield [samples[i] for i in part.tolist()]
+
+
+def update_critic(critic, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict:
+    """Clipped value regression towards the returns, one optimizer step per mini-batch; the loss is a token mean
+    over the whole mini-batch on all ranks (token_mean_share). Returns this rank's sums of its statistics."""
+    sums = dict.fromkeys(["value_loss", "value_clipfrac", "critic_tokens", "critic_grad_norm", "critic_steps"], 0.0)
+    for mini in mini_batches(samples, args, generator):
+        num_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in mini)}, device)["t"]
+        for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
+            mbs = [mini[i] for i in mb]
+            values = packed_values(critic, mbs)
+            if not mbs:  # this rank ran out of samples: a zero-weight pass keeps FSDP's collectives in step
+                (values[0].sum() * 0.0).backward()
+                continue
+            values, mask = pad_rows(values), padded(mbs, "mask", device)
+            token_loss, clipped = value_loss(values, padded(mbs, "old_values", device), padded(mbs, "returns", device),
+                                             args.value_clip)
+            loss = token_mean_share(token_loss, mask, num_tokens)
+            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
+            sums["value_loss"] += loss.item() * world
+            sums["value_clipfrac"] += (clipped * mask).sum().item()
+            sums["critic_tokens"] += mask.sum().item()
+        grad_norm = clip_and_step(critic, optimizer, args.max_grad_norm)  # None: NaN/inf, the step is skipped
+        sums["critic_grad_norm"] += grad_norm or 0.0
+        sums["critic_steps"] += grad_norm is not None
+    return sums
+
+
+def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict:
+    """PPO's clipped surrogate on the whitened per-token advantages (plus the entropy bonus and, with --kl-in-loss,
+    the k3 KL to the reference), one optimizer step per mini-batch, normalised like update_critic."""
+    sums = dict.fromkeys(["policy_loss", "clipfrac", "approx_kl", "entropy", "policy_tokens", "grad_norm",
+                          "opt_steps", "skipped"], 0.0)
+    for mini in mini_batches(samples, args, generator):
+        num_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in mini)}, device)["t"]
+        for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
+            mbs = [mini[i] for i in mb]
+            logprobs, entropy = packed_response_logprobs(policy, mbs, args.temperature, with_entropy=True)
+            if not mbs:
+                (logprobs[0].sum() * 0.0).backward()
+                continue
+            logprobs, entropy, mask = pad_rows(logprobs), pad_rows(entropy), padded(mbs, "mask", device)
+            old = padded(mbs, "old_logprobs", device)
+            token_loss, clipped = policy_loss(logprobs, old, padded(mbs, "advantages", device), args.clip_low,
+                                              args.clip_high)
+            if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
+                token_loss = token_loss * (old - padded(mbs, "logprobs", device)).exp().clamp(max=args.tis_cap)
+            token_loss = token_loss - args.entropy_coef * entropy
+            if args.kl_in_loss and "ref_logprobs" in mbs[0]:
+                delta = padded(mbs, "ref_logprobs", device) - logprobs
+                token_loss = token_loss + args.kl_coef * (delta.exp() - delta - 1)  # k3, always >= 0
+            loss = token_mean_share(token_loss, mask, num_tokens)
+            (loss * world).backward()
+            with torch.no_grad():
+                log_ratio = logprobs - old
+                sums["policy_loss"] += loss.item() * world
+                sums["clipfrac"] += (clipped * mask).sum().item()
+                sums["approx_kl"] += ((log_ratio.exp() - 1 - log_ratio) * mask).sum().item()  # k3 of old || new
+                sums["entropy"] += (entropy * mask).sum().item()
+                sums["policy_tokens"] += mask.sum().item()
+        grad_norm = clip_and_step(policy, optimizer, args.max_grad_norm)
+        sums["skipped"] += grad_norm is None
+        sums["grad_norm"] += grad_norm or 0.0
+        sums["opt_steps"] += grad_norm is not None
+    return sums
+
+
+def warm_up_critic(critic, optimizer, samples: list[dict], args: Args, world: int, device) -> dict[str, float]:
+    """Before the policy first moves: the critic trains on this first batch, replayed, until its explained
+    variance on it reaches --critic-warmup-ev or --critic-warmup-steps runs out. The targets move with it (the
+    returns bootstrap from its values), so values, advantages and returns are recomputed after every update."""
+    ev, updates = None, 0
+    for updates in range(args.critic_warmup_steps + 1):
+        ev = explained_variance(padded(samples, "old_values", device), padded(samples, "returns", device),
+                                padded(samples, "mask", device))
+        if ev >= args.critic_warmup_ev or updates == args.critic_warmup_steps:
+            break
+        update_critic(critic, optimizer, samples, args, world, device, None)
+        for s, values in zip(samples, compute_values(critic, samples, args.max_tokens_per_micro_batch, device)):
+            s["old_values"] = values
+        add_advantages(samples, args, device)
+    return {"critic/warmup_updates": updates, "critic/warmup_explained_variance": ev}
+
+
+def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: Args, world: int, device) -> dict:
+    """Collective: what is logged of a step, over all ranks. generated: the samples as the rollout gave them (this
+    rank's share of generation); samples: this rank's training share, with scores, values and advantages."""
+    lengths = sample_lengths(samples)
+    tis = tis_metrics([s["old_logprobs"] for s in samples], [s["logprobs"] for s in samples], args.tis_cap or 1.0)
+    cat = lambda key: torch.cat([s[key] for s in samples]) if samples else torch.zeros(0)
+    advantages, values, returns = cat("raw_advantages"), cat("old_values"), cat("returns")
+    kl = (cat("old_logprobs") - cat("ref_logprobs")) if "ref_logprobs" in samples[0] else torch.zeros(0)
+    sums = sum_over_ranks({
+        "rule_reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
+        "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
+        "truncated": sum(not s["finished"] for s in generated), "total_tokens": sum(lengths),
+        "model_score": sum(s["model_score"] for s in samples), "score": sum(s["score"] for s in samples),
+        "train_count": len(samples), "tokens": len(advantages), "advantage": advantages.sum().item(),
+        "advantage_sq": (advantages ** 2).sum().item(), "value": values.sum().item(), "return": returns.sum().item(),
+        "ref_kl": kl.sum().item(),
+        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples),
+        "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
+    count, tokens = sums["count"], max(sums["tokens"], 1)
+    steps, critic_steps = max(sums["opt_steps"] / world, 1), max(sums["critic_steps"] / world, 1)
+    advantage_mean = sums["advantage"] / tokens
+    metrics = {
+        "reward/mean": sums["rule_reward"] / count, "reward/accuracy": sums["correct"] / count,
+        "reward/model_mean": sums["model_score"] / max(sums["train_count"], 1),
+        "reward/score_mean": sums["score"] / max(sums["train_count"], 1),
+        "response/length_mean": sums["response_tokens"] / count, "response/truncated_frac": sums["truncated"] / count,
+        "rollout/logprob_diff": sums["lp_diff"] / max(sums["response_tokens"], 1),
+        "loss/policy": sums["policy_loss"] / world / steps, "loss/value": sums["value_loss"] / world / critic_steps,
+        "policy/clip_frac": sums["clipfrac"] / max(sums["policy_tokens"], 1),
+        "policy/approx_kl": sums["approx_kl"] / max(sums["policy_tokens"], 1),
+        "policy/entropy": sums["entropy"] / max(sums["policy_tokens"], 1), "policy/kl_ref": sums["ref_kl"] / tokens,
+        "policy/grad_norm": sums["grad_norm"] / world / steps, "update/skipped": sums["skipped"] / world,
+        "critic/value_mean": sums["value"] / tokens, "critic/return_mean": sums["return"] / tokens,
+        "critic/value_clip_frac": sums["value_clipfrac"] / max(sums["critic_tokens"], 1),
+        "critic/grad_norm": sums["critic_grad_norm"] / world / critic_steps,
+        "critic/explained_variance": explained_variance(padded(samples, "old_values", device),
+                                                        padded(samples, "returns", device),
+                                                        padded(samples, "mask", device)),
+        "advantage/mean": advantage_mean,
+        "advantage/std": max(sums["advantage_sq"] / tokens - advantage_mean ** 2, 0.0) ** 0.5,
+        "total_tokens": sums["total_tokens"],
+        **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
+    if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
+        metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
+                        "tis/ratio_max": max_over_ranks(tis["tis_ratio_max"], device)})
+    return metrics
+
+
+def main():
+    args = parse_args(Args)
+    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    rank, world = placement.rank, placement.world
+    quiet_libraries()
+    # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
+    builtin = args.dataset is None
+    args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
+    args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
+    args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
+    args.critic_lr = (1e-3 if args.model is None else 1e-5) if args.critic_lr is None else args.critic_lr
+    fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts
+    check_args(args, placement.num_trainers)
+    load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
+    torch.manual_seed(args.seed)
+
+    # The run's directory: locked for this run, and resumed from its newest intact training state (--resume auto).
+    run_dir = open_run_dir("ppo", given, asdict(args), FIXED_ON_RESUME)
+    resume_path, output_dir = run_dir.resume_from, run_dir.path
+    resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
+    start_step = resumed["step"]
+
+    # Data: prompts and the answers the rule reward checks them against.
+    tokenizer = load_tokenizer(args.model)
+    train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
+                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
+    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, args.max_prompt_len, args.chat_template)
+    if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
+        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
+
+    # Models: the policy, the critic, the frozen reference and reward model; an optimizer each for the first two.
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    critic = shard_model(load_critic(args.model, args.critic_model, tokenizer, args.seed), device,
+                         args.activation_checkpointing)
+    reference = reward_model = rm_tokenizer = None
+    if args.kl_coef > 0:
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+    if args.reward_model is not None:
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model)
+        reward_model = shard_model(reward_model, device, trainable=False)
+    if device.type == "cuda":  # these never generate: packed rows only
+        for model in filter(None, [critic, reference, reward_model]):
+            use_packed_attention(model, device)
+    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
+    optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
+    critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps)
+    critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
+
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
+                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
+    for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "
+                 f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}"]:
+        logger.print(note)
+    timer = StageTimer(device)
+    rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,
+                        logger, timer)
+    # Installed after the engine, which may set handlers of its own: SIGTERM and Ctrl-C now mean "finish the step,
+    # save, stop" (common/signals.py).
+    install_stop_handlers()
+    bad_steps = BadStepCounter(args.max_bad_steps)
+    if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
+        info = load_training_state(resume_path, policy, optimizer, scheduler, rollouts, critic_state)
+        set_hyperparameters(optimizer, scheduler, args.lr, args.weight_decay)  # this command's, not the saved ones
+        set_hyperparameters(critic_optimizer, critic_scheduler, args.critic_lr, args.weight_decay)
+        bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
+        logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
+                     f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are exact, "
+                     f"random streams re-seeded)"))
+    if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
+        logger.log(0, {**initial_eval, **timer.pop()}, advance=False)
+    timer.pop()
+
+    stop = False
+    for step in range(start_step + 1, args.steps + 1):
+        step_start = time.perf_counter()
+        # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
+        generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
+
+        # 1. Rollout: group_size responses per prompt, each with its rule reward.
+        generated, metrics = rollouts.next_batch(step)
+        # Every rank takes about the same token work: samples move between ranks (the losses are global means).
+        samples, _ = share_samples_evenly(generated, sample_lengths(generated), world, rank)
+        for s in samples:
+            s["mask"] = torch.ones(len(s["response_ids"]))
+
+        # 2. Reward: each response's score (rule reward + reward model - missing-EOS penalty), on its last token.
+        training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
+        with timer("reward_model"):
+            add_scores(samples, args, reward_model, rm_tokenizer, tokenizer, device)
+
+        # 3. Values and log-probs at rollout time: the critic, the policy (old), the reference.
+        with timer("logprobs"):
+            budget = args.max_tokens_per_micro_batch
+            for s, values in zip(samples, compute_values(critic, samples, budget, device)):
+                s["old_values"] = values
+            for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
+                s["old_logprobs"] = lp
+            if reference is not None:
+                for s, lp in zip(samples, compute_logprobs(reference, samples, budget, args.temperature, device)):
+                    s["ref_logprobs"] = lp
+
+        # 4. Advantages: per-token rewards (score - KL), GAE with the critic's values, whitened over all ranks.
+        add_advantages(samples, args, device)
+        if step == 1 and args.critic_warmup_steps:  # a fresh critic learns this batch before the policy moves
+            with timer("critic_warmup"):
+                metrics.update(warm_up_critic(critic, critic_optimizer, samples, args, world, device))
+
+        # 5. Update the critic, then the policy.
+        with timer("update"):
+            stats = update_critic(critic, critic_optimizer, samples, args, world, device, generator)
+            stats.update(update_policy(policy, optimizer, samples, args, world, device, generator))
+            for sched, steps_taken in [(critic_scheduler, stats["critic_steps"]), (scheduler, stats["opt_steps"])]:
+                if steps_taken:  # the schedules count updates
+                    sched.step()
+
+        # 6. Weight sync to the rollout engines (not after a stop signal on any rank: every rank saves and stops).
+        stop = stop_agreed(device)
+        metrics.update(rollouts.publish(step, stop))
+
+        # 7. Log.
+        metrics.update(step_metrics(samples, generated, stats, args, world, device))
+        bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
+        total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
+        metrics.update({"policy/lr": scheduler.get_last_lr()[0], "critic/lr": critic_scheduler.get_last_lr()[0],
+                        "time/step": step_seconds, "perf/tokens_per_s": total_tokens / step_seconds})
+        # Training FLOPs: the policy's and the critic's passes (about the same size), over the update's time.
+        if (train_mfu := mfu(2 * num_params, total_tokens * args.epochs, timer.seconds["time/update"], peak, world)):
+            metrics["perf/mfu"] = train_mfu
+        if training_memory is not None:  # the step's peak on the fullest GPU: generating or training, all included
+            metrics["perf/peak_memory_gb"] = max_over_ranks(
+                max(rollouts.rollout_memory, training_memory.peak()) / 1e9, device)
+        metrics.update(rollouts.evaluate(step))  # held-out greedy accuracy, when due
+        if args.save_every and step % args.save_every == 0 or step == args.steps:
+            with timer("save"):
+                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
+                                   checkpoint_dtype(args.model), probes=[train_rows[0]["prompt"]])
+                save_hf_checkpoint(critic, tokenizer, os.path.join(output_dir, f"hf_step_{step}", "critic"),
+                                   checkpoint_dtype(args.model), probes=[train_rows[0]["prompt"]])
+        logger.log(step, {**metrics, **timer.pop()})  # before the state: a state never exists without its row
+        crash_point("after_row", step)
+
+        # 8. Checkpoint: a resumable training state, the critic's included (its time is logged with the next step).
+        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
+            with timer("save_state"):
+                save_training_state(output_dir, step, policy, optimizer, scheduler, rollouts,
+                                    {"wandb_run_id": logger.run_id, "bad_steps_in_a_row": bad_steps.in_a_row,
+                                     "args": asdict(args)}, critic_state)
+                prune_checkpoints(output_dir, args.keep_checkpoints)
+        crash_point("after_state", step)
+        if stop:
+            logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
+                         f"{step}; run the same command again to continue")
+            break
+
+    if start_step >= args.steps:
+        logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
+                     f"(--steps trains further)")
+    if not stop:
+        logger.print(f"held-out greedy accuracy: {rollouts.first_eval['eval/accuracy']:.3f} before training -> "
+                     f"{rollouts.last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
+                     f"{os.path.join(output_dir, f'hf_step_{args.steps}')} (the critic in its critic/)")
+    logger.close()
+    rollouts.close()
+    finish_distributed(exit_process=placement.split)
+
+
+if __name__ == "__main__":
+    run_main(main)

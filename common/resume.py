@@ -81,10 +81,12 @@ def _seed_rng(step: int, rank: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def save_training_state(path_root: str, step: int, model, optimizer, scheduler, sampler, extra: dict) -> str:
+def save_training_state(path_root: str, step: int, model, optimizer, scheduler, sampler, extra: dict,
+                        more: dict | None = None) -> str:
     """Collective: every rank calls it. Writes <path_root>/state_<step:06d> atomically and returns its path.
 
     scheduler and sampler may be None; extra must be JSON-serialisable (e.g. {"wandb_run_id": ...}).
+    more: other trained models, {name: (model, optimizer, scheduler)} (PPO's critic), saved alongside.
     path_root must be a filesystem every rank sees (shared across nodes).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,14 +101,14 @@ def save_training_state(path_root: str, step: int, model, optimizer, scheduler, 
             error = e
     raise_on_all_ranks(error)  # also the barrier: the directory exists before anyone writes into it
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # raises on every rank
+    dcp.save(_sharded_state(model, optimizer, more), checkpoint_id=tmp)  # raises on every rank
     try:
         _write_synced(os.path.join(tmp, f"rng_rank{rank}.pt"), lambda f: torch.save(_rng_state(), f))
         if rank == 0:
             trainer_state = {"step": step, "world_size": world,
                              "scheduler": None if scheduler is None else scheduler.state_dict(),
-                             "sampler": None if sampler is None else sampler.state_dict(), "extra": extra}
+                             "sampler": None if sampler is None else sampler.state_dict(), "extra": extra,
+                             "schedulers": {name: s.state_dict() for name, (_, _, s) in (more or {}).items()}}
             _write_synced(os.path.join(tmp, TRAINER_STATE),
                           lambda f: f.write(json.dumps(trainer_state, indent=1).encode()))
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below
@@ -179,7 +181,15 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def load_training_state(path: str, model, optimizer, scheduler, sampler) -> dict:
+def _sharded_state(model, optimizer, more: dict | None) -> dict:
+    """This rank's shards (DTensors, no gather) of every model and optimizer, under the names they are saved with."""
+    state = {}
+    for prefix, (m, o) in [("", (model, optimizer)), *((f"{name}_", pair[:2]) for name, pair in (more or {}).items())]:
+        state[prefix + "model"], state[prefix + "optimizer"] = get_state_dict(m, o)
+    return state
+
+
+def load_training_state(path: str, model, optimizer, scheduler, sampler, more: dict | None = None) -> dict:
     """Collective. Restores model, optimizer, scheduler, sampler and this rank's RNG from a save_training_state dir.
 
     Returns {"step", "extra", "saved_world_size", "exact_rng"}. The model and optimizer reshard to any world size.
@@ -199,14 +209,16 @@ def load_training_state(path: str, model, optimizer, scheduler, sampler) -> dict
 
     # get_state_dict gives the structure to load into (this run's shards, an initialised optimizer state);
     # dcp.load fills it from whatever sharding the checkpoint was written with.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state = _sharded_state(model, optimizer, more)
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as e:  # DCP raises on every rank; its message does not say which checkpoint
         raise ValueError(f"could not load the training state {path} (damaged? --resume with an older state_<step> "
                          f"directory uses that one): {' '.join(str(e).split())[:300]}") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for name, (m, o, s) in (more or {}).items():
+        set_state_dict(m, o, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optimizer"])
+        s.load_state_dict(trainer_state["schedulers"][name])
     if scheduler is not None:
         scheduler.load_state_dict(trainer_state["scheduler"])
     if sampler is not None:

@@ -32,7 +32,7 @@ from typing import Callable
 from common import errors, signals
 
 RewardFn = Callable[[str, str, str], float]
-BUILTIN_REWARDS = ("gsm8k", "math", "synthetic")
+BUILTIN_REWARDS = ("gsm8k", "math", "synthetic", "none")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # "1,234.5", "-3", "72"
 
 
@@ -101,12 +101,18 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     return float(_equivalent(f"$\\boxed{{{gold}}}$", f"$\\boxed{{{prediction}}}$", config))
 
 
+def no_reward(prompt: str, completion: str, answer: str) -> float:
+    return 0.0
+
+
 def load_reward_fn(spec: str) -> RewardFn:
-    """'gsm8k' | 'math' | 'synthetic' | 'path/to/file.py:function_name' -> reward function."""
+    """'gsm8k' | 'math' | 'synthetic' | 'none' | 'path/to/file.py:function_name' -> reward function."""
     if spec == "gsm8k":
         return gsm8k_reward
     if spec == "math":
         return math_reward
+    if spec == "none":  # every response scores 0: the reward comes from elsewhere (a reward model)
+        return no_reward
     if spec == "synthetic":
         from common.synthetic import synthetic_reward  # imported here so other rewards need no synthetic task
 

@@ -27,7 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.data import PromptSampler
 from common.distributed import all_reduce_sum, finish_distributed, max_over_ranks, raise_on_all_ranks
-from common.engines import make_rollout_engine
+from common.engines import make_rollout_engine, resolve_engine_kind
+from common.errors import check_ranges
 from common.logprobs import use_packed_attention
 from common.model import load_model, save_model_config, stop_token_ids
 from common.perf import memory_in_use
@@ -37,6 +38,36 @@ from common.split import (behaviour_version, check_shapes, close_link, eval_vers
                           recv_object, recv_weights, send_header, send_object, send_weights, staleness_metrics,
                           weight_versions)
 from sharding.vllm_sync import trainer_weights, weight_shapes
+
+
+def fill_rollout_defaults(args) -> None:
+    """The rollout flags left unset: the engine (vLLM where CUDA and vllm are), 2 reward processes per rank with
+    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async rollouts."""
+    args.rollout_engine = resolve_engine_kind(args.rollout_engine)
+    if args.reward_workers is None:
+        args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
+    if args.async_rollout and args.tis_cap is None:
+        args.tis_cap = 2.0
+
+
+def check_rollout_args(args, num_trainers: int) -> None:
+    """One line for rollout flags that cannot work together (before any model is loaded)."""
+    check_ranges(args, positive=["temperature", "top_p", "reward_timeout"],
+                 at_least_one=["prompts_per_step", "max_response_len", "max_prompt_len", "reward_workers",
+                               "rollout_tp", "max_staleness"], non_negative=["rollout_ranks"])
+    if args.top_p > 1:
+        raise ValueError(f"--top-p must be at most 1, got {args.top_p}")
+    if args.prompts_per_step % num_trainers:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {num_trainers} "
+                         f"training ranks")
+    generating = args.rollout_ranks or num_trainers
+    if generating % args.rollout_tp:
+        raise ValueError(f"--rollout-tp {args.rollout_tp} must divide the number of generating ranks ({generating})")
+    if args.rollout_ranks and args.prompts_per_step % args.rollout_ranks:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --rollout-ranks "
+                         f"{args.rollout_ranks}")
+    if args.async_rollout and not args.rollout_ranks:
+        raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
 
 
 class Rollouts:

@@ -72,7 +72,7 @@ def _rank(module, request: dict, rank: int, port: int) -> None:
     os.environ.clear()
     os.environ.update(request["env"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(request["nproc"]),
                       LOCAL_WORLD_SIZE=str(request["nproc"]), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="forked")
+                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="forked", TORCHELASTIC_USE_AGENT_STORE="True")
     for fd, name in ((1, "out"), (2, "err")):
         log = os.open(os.path.join(request["logs"], name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, fd)
@@ -89,7 +89,7 @@ def _rank(module, request: dict, rank: int, port: int) -> None:
 
 
 def _serve() -> None:
-    import torch  # noqa: F401 - imported once here, for every rank of every run
+    import torch.distributed as dist  # imported once here, for every rank of every run
     modules = {}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while (request := _recv(stdin)) is not None:
@@ -99,6 +99,8 @@ def _serve() -> None:
             modules[script] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(modules[script])
         port, pids = _free_port(), []
+        # The ranks' key-value store lives here, as torchrun's agent hosts it: it outlives any one rank.
+        store = dist.TCPStore("127.0.0.1", port, request["nproc"], is_master=True, wait_for_workers=False)
         for rank in range(request["nproc"]):
             pid = os.fork()
             if pid == 0:
@@ -122,6 +124,7 @@ def _serve() -> None:
                     if pid not in statuses:
                         os.killpg(pid, signal.SIGKILL)
             time.sleep(0.02)
+        del store
         codes = list(statuses.values())
         _send(stdout, {"returncode": next((1 if c < 0 else c for c in codes if c != 0), 0),
                        "timed_out": time.monotonic() > deadline})

@@ -199,3 +199,151 @@ def test_global_statistics_two_ranks_match_one(tmp_path):
         torch.testing.assert_close(pad_to(got["kept_mean"], 4), kept_mean[start:end])
         assert got["ev"] == pytest.approx(ev, rel=1e-6)
     assert ev == pytest.approx(1 - (x - values)[mask.bool()].var(unbiased=False) / x[mask.bool()].var(unbiased=False))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pieces of a step on real (tiny) models: scores, the critic and reward model, the two updates, the warmup.
+
+def tiny_models(seed: int = 0):
+    """The built-in tiny policy and its critic (the same body, a value head), unsharded."""
+    from common.model import load_model
+    from common.synthetic import build_tiny_tokenizer
+    from common.value_models import load_critic
+    tokenizer = build_tiny_tokenizer()
+    return load_model(None, tokenizer, seed), load_critic(None, None, tokenizer, seed), tokenizer
+
+
+def step_samples(n: int = 8, seed: int = 3) -> list[dict]:
+    """Samples as Rollouts hands them out, with the fields a PPO step adds before its update."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = torch.randint(5, 35, (int(torch.randint(3, 6, (1,), generator=gen)),), generator=gen).tolist()
+        response = torch.randint(5, 35, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
+        samples.append(dict(prompt_ids=prompt, response_ids=response, logprobs=[-3.0] * len(response),
+                            finished=bool(i % 2), reward=float(i % 3 == 0), mask=torch.ones(len(response))))
+    return samples
+
+
+def test_scores_sit_on_the_last_token_and_cut_responses_pay_the_penalty():
+    """One response that ended at a stop token and one cut at the length limit (--missing-eos-penalty 0.5): each
+    score lands on the response's last token, and the KL term (kl_coef 0.1, k1 by hand) on every token."""
+    args = ppo.Args(missing_eos_penalty=0.5, kl_coef=0.1, gamma=1.0, lam=1.0)
+    samples = [dict(prompt_ids=[1], response_ids=[5, 6], reward=1.0, finished=True, old_logprobs=torch.tensor([-1.0, -2.0]),
+                    ref_logprobs=torch.tensor([-1.5, -2.0]), old_values=torch.zeros(2)),
+               dict(prompt_ids=[1], response_ids=[5, 6, 7], reward=1.0, finished=False,
+                    old_logprobs=torch.tensor([-1.0, -1.0, -1.0]), ref_logprobs=torch.tensor([-1.0, -1.0, -1.0]),
+                    old_values=torch.zeros(3))]
+    ppo.add_scores(samples, args, None, None, None, torch.device("cpu"))
+    assert [s["score"] for s in samples] == [1.0, 0.5]
+    ppo.add_advantages(samples, args, torch.device("cpu"))  # gamma = lam = 1, V = 0: returns = rewards to go
+    # Row 0: token rewards [-0.1 * 0.5, 0 + 1.0] -> returns [0.95, 1.0]; row 1: [0, 0, 0.5] -> [0.5, 0.5, 0.5].
+    assert torch.allclose(samples[0]["returns"], torch.tensor([0.95, 1.0]))
+    assert torch.allclose(samples[1]["returns"], torch.tensor([0.5, 0.5, 0.5]))
+
+
+def pieces_worker(rank: int, world: int, port: int, out_dir: str):
+    """On `world` gloo ranks: the same 8 samples (dealt out by rank), one PPO update of critic and policy; the
+    separation of the two models; the reward model against a hand-run forward; the critic warmup."""
+    from common.model import shard_model
+    from common.value_models import compute_values, reward_model_scores
+    from common.logprobs import compute_logprobs
+    init_gloo(rank, world, port)
+    cpu = torch.device("cpu")
+    args = ppo.Args(max_response_len=4, kl_coef=0.0, critic_lr=1e-2, lr=1e-2, max_tokens_per_micro_batch=16)
+    policy, critic, tokenizer = tiny_models()
+    policy, critic = shard_model(policy, cpu), shard_model(critic, cpu)
+    # SGD: its step is linear in the gradient, so 1 rank and 2 ranks agree to float precision (Adam's first steps
+    # amplify the rounding noise of near-zero gradients to a whole lr).
+    optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
+    critic_optimizer = torch.optim.SGD(critic.parameters(), lr=args.critic_lr)
+    samples = step_samples()[rank::world]
+    ppo.add_scores(samples, args, None, None, None, cpu)
+    for s, v in zip(samples, compute_values(critic, samples, 16, cpu)):
+        s["old_values"] = v
+    for s, lp in zip(samples, compute_logprobs(policy, samples, 16, 1.0, cpu)):
+        s["old_logprobs"] = lp
+    ppo.add_advantages(samples, args, cpu)
+    full = lambda model: {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    policy_before, critic_before = full(policy), full(critic)
+    ppo.update_critic(critic, critic_optimizer, samples, args, world, cpu, None)
+    policy_after_critic_step = full(policy)
+    ppo.update_policy(policy, optimizer, samples, args, world, cpu, None)
+    critic_after = full(critic)
+    results = {"policy_untouched_by_critic": all(torch.equal(policy_before[n], p)
+                                                 for n, p in policy_after_critic_step.items()),
+               "critic_untouched_by_policy": all(torch.equal(critic_after[n], p)
+                                                 for n, p in full(critic).items()),
+               "critic_moved": any(not torch.equal(critic_before[n], p) for n, p in critic_after.items()),
+               "policy": full(policy), "critic": critic_after}
+    if world == 1:
+        # A one-label sequence classifier as reward model: its score at each sequence's last token, by hand.
+        from transformers import AutoModelForSequenceClassification
+        torch.manual_seed(0)
+        rm = AutoModelForSequenceClassification.from_config(policy.config.__class__.from_dict(
+            {**policy.config.to_dict(), "num_labels": 1, "pad_token_id": tokenizer.pad_token_id}))
+        plain = [rm(input_ids=torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0, 0].item()
+                 for s in samples]
+        packed = reward_model_scores(shard_model(rm, cpu, trainable=False), tokenizer, tokenizer, samples, 16, cpu)
+        results["rm"] = (plain, packed)
+        # The warmup stops as soon as the critic explains enough; a threshold it cannot reach uses every update.
+        for threshold, most in [(-1e9, 5), (1e9, 3)]:
+            warm = ppo.Args(critic_warmup_ev=threshold, critic_warmup_steps=most, max_tokens_per_micro_batch=16,
+                            max_response_len=4)
+            results[f"warmup_{most}"] = ppo.warm_up_critic(critic, critic_optimizer, samples, warm, 1, cpu)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, f"pieces{world}.pt"))
+    finish_gloo()
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo_pieces")
+    for world in (1, 2):
+        mp.spawn(pieces_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    return torch.load(out / "pieces1.pt"), torch.load(out / "pieces2.pt")
+
+
+def test_a_critic_step_moves_no_policy_weight_and_back(pieces):
+    one, _ = pieces
+    assert one["policy_untouched_by_critic"] and one["critic_untouched_by_policy"] and one["critic_moved"]
+
+
+def test_two_ranks_update_as_one(pieces):
+    """Whitening, both losses and their normalisers are global: 2 ranks holding half the samples each take the same
+    steps as 1 rank holding all of them."""
+    one, two = pieces
+    for model in ("policy", "critic"):
+        for name, weight in one[model].items():
+            torch.testing.assert_close(two[model][name], weight, rtol=1e-4, atol=1e-5)
+
+
+def test_reward_model_scores_match_a_plain_forward(pieces):
+    plain, packed = pieces[0]["rm"]
+    assert packed == pytest.approx(plain, abs=1e-5)
+
+
+def test_critic_warmup_stops_on_its_threshold(pieces):
+    one, _ = pieces
+    assert one["warmup_5"]["critic/warmup_updates"] == 0  # already above a threshold of -1e9
+    assert one["warmup_3"]["critic/warmup_updates"] == 3  # never reaches 1e9: stops when the updates run out
+
+
+def test_bad_critic_and_reward_models_are_one_line(tmp_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from common.value_models import load_critic, load_reward_model
+    policy, _, tokenizer = tiny_models()
+    config = policy.config
+    other_vocab = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": config.vocab_size + 8}))
+    other_vocab.save_pretrained(tmp_path / "other_vocab")
+    tokenizer.save_pretrained(tmp_path / "other_vocab")
+    with pytest.raises(ValueError, match="its vocab_size is 43, the policy's 35; the critic reads the policy's"):
+        load_critic(None, str(tmp_path / "other_vocab"), tokenizer, 0)
+    policy.save_pretrained(tmp_path / "causal")
+    tokenizer.save_pretrained(tmp_path / "causal")
+    with pytest.raises(ValueError, match=r"not a sequence-classification model \(its architectures: "
+                                         r"\['LlamaForCausalLM'\]\)"):
+        load_reward_model(str(tmp_path / "causal"))
+    critic = load_critic(None, str(tmp_path / "causal"), AutoTokenizer.from_pretrained(tmp_path / "causal"), 0)
+    assert critic.score.out_features == 1  # a causal LM is a fine critic: its body, a fresh value head
