@@ -31,6 +31,8 @@ def load_pairs(
     (and with prompt_key left at "prompt"), the prompt is the common start of the chosen and rejected dialogues: for
     strings, up to and including the last `assistant_marker` both share; for conversations, the shared leading
     messages up to an assistant reply. A local file has a single split, so `split` is ignored for it.
+    An empty or mistyped value is an error naming its row and column, as is a dialogue pair with no common prefix
+    or no turn boundary in it (the prompt then needs a column of its own).
     stats: {"rows": rows read, "identical": pairs skipped because chosen == rejected (nothing to prefer),
     "empty_response": dialogues skipped because a side's last reply is empty (HH-RLHF has a few)}.
     """
@@ -100,11 +102,13 @@ def _same_form(prompt, chosen, rejected) -> dict:
     """All three as strings, or all as conversations when any is one: a lone string then becomes one message (the
     user's for the prompt, the assistant's for a response), so the chat template renders the pair as one dialogue."""
     if any(isinstance(value, list) for value in (prompt, chosen, rejected)):
-        def as_messages(value, role):
-            return value if isinstance(value, list) else [{"role": role, "content": value}]
-        prompt, chosen, rejected = as_messages(prompt, "user"), as_messages(chosen, "assistant"), \
-            as_messages(rejected, "assistant")
+        prompt = _as_messages(prompt, "user")
+        chosen, rejected = _as_messages(chosen, "assistant"), _as_messages(rejected, "assistant")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _as_messages(value: str | list[dict], role: str) -> list[dict]:
+    return value if isinstance(value, list) else [{"role": role, "content": value}]
 
 
 def split_common_prompt(chosen, rejected, where: str, assistant_marker: str = ASSISTANT_MARKER) -> dict:
@@ -223,9 +227,6 @@ def tokenize_pairs(
 
 def _tokenize_with_template(pairs: list[dict], tokenizer) -> tuple[list, list, list]:
     """Prompt ids and each side's response ids, the response being the whole dialogue's ids after the prompt's."""
-    def as_messages(value, role):
-        return value if isinstance(value, list) else [{"role": role, "content": value}]
-
     def render(conversations, add_generation_prompt):
         try:  # transformers 5 returns a BatchEncoding by default; return_dict=False gives plain lists of ids
             return tokenizer.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt,
@@ -233,11 +234,11 @@ def _tokenize_with_template(pairs: list[dict], tokenizer) -> tuple[list, list, l
         except Exception as error:  # a template's own checks (roles must alternate...) raise from inside Jinja
             raise ValueError(f"the chat template could not render the pairs: {_first_line(error)}") from error
 
-    conversations = [as_messages(pair["prompt"], "user") for pair in pairs]
+    conversations = [_as_messages(pair["prompt"], "user") for pair in pairs]
     prompts = render(conversations, add_generation_prompt=True)
     responses = {}
     for side in ("chosen", "rejected"):
-        whole = render([c + as_messages(p[side], "assistant") for c, p in zip(conversations, pairs)], False)
+        whole = render([c + _as_messages(p[side], "assistant") for c, p in zip(conversations, pairs)], False)
         for index, (prompt_ids, ids) in enumerate(zip(prompts, whole)):
             if list(ids[:len(prompt_ids)]) != list(prompt_ids):
                 raise ValueError(f"pair {index}: the chat template does not render the prompt (with "
