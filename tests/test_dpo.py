@@ -1,0 +1,169 @@
+"""DPO losses against values worked out by hand, and each loss's known value while policy == reference."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dpo
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def log1p_exp(x):  # -log sigmoid(-x) = log(1 + e^x)
+    return math.log(1 + math.exp(x))
+
+
+def loss(loss_type, beta, policy=(-1.0, -3.0), ref=(-2.0, -2.0), lengths=None, **kwargs):
+    """preference_loss on one pair. The defaults give chosen log-ratio -1 - (-2) = 1, rejected -3 - (-2) = -1,
+    and h = 1 - (-1) = 2."""
+    tensors = [torch.tensor([value]) for value in (*policy, *ref)]
+    if lengths is not None:
+        kwargs |= {"chosen_lengths": torch.tensor([lengths[0]]), "rejected_lengths": torch.tensor([lengths[1]])}
+    losses, chosen_rewards, rejected_rewards = dpo.preference_loss(*tensors, loss_type, beta, **kwargs)
+    return losses.item(), chosen_rewards.item(), rejected_rewards.item()
+
+
+def test_sigmoid_by_hand():
+    # h = 2, beta = 0.5: -log sigmoid(1) = log(1 + e^-1)
+    value, chosen_reward, rejected_reward = loss("sigmoid", 0.5)
+    assert value == pytest.approx(log1p_exp(-1.0), abs=1e-6)
+    assert (chosen_reward, rejected_reward) == pytest.approx((0.5 * 1, 0.5 * -1))
+    # cDPO with eps = 0.1: 0.9 * -log sigmoid(1) + 0.1 * -log sigmoid(-1)
+    smoothed, _, _ = loss("sigmoid", 0.5, label_smoothing=0.1)
+    assert smoothed == pytest.approx(0.9 * log1p_exp(-1.0) + 0.1 * log1p_exp(1.0), abs=1e-6)
+
+
+def test_sigmoid_gradient_by_hand():
+    # d/d(policy_chosen) of -log sigmoid(beta h) = -beta * (1 - sigmoid(beta h)) = -0.5 * sigmoid(-1)
+    policy_chosen = torch.tensor([-1.0], requires_grad=True)
+    losses, _, _ = dpo.preference_loss(policy_chosen, torch.tensor([-3.0]), torch.tensor([-2.0]),
+                                       torch.tensor([-2.0]), "sigmoid", 0.5)
+    losses.sum().backward()
+    assert policy_chosen.grad.item() == pytest.approx(-0.5 * sigmoid(-1.0), abs=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.01, 0.1, 1.0, 5.0])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2, 0.4])
+def test_sigmoid_at_zero_margin_is_ln2_for_any_beta_and_smoothing(beta, label_smoothing):
+    # h = 0 with policy != reference: (-1 - -3) - (-2 - -4) = 0
+    value, _, _ = loss("sigmoid", beta, policy=(-1.0, -3.0), ref=(-2.0, -4.0), label_smoothing=label_smoothing)
+    assert value == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_larger_beta_at_positive_margin_lowers_the_loss():
+    values = [loss("sigmoid", beta)[0] for beta in (0.1, 0.5, 1.0, 2.0)]
+    assert values == sorted(values, reverse=True) and len(set(values)) == 4
+    # ...and smoothing raises it: the flipped-label term penalises a large margin
+    assert loss("sigmoid", 1.0, label_smoothing=0.2)[0] > loss("sigmoid", 1.0)[0]
+
+
+def test_robust_by_hand():
+    # h = 2, beta = 0.5, eps = 0.1: (0.9 * -log sigmoid(1) + 0.1 * log sigmoid(-1)) / 0.8
+    value, _, _ = loss("robust", 0.5, label_smoothing=0.1)
+    assert value == pytest.approx((0.9 * log1p_exp(-1.0) - 0.1 * log1p_exp(1.0)) / 0.8, abs=1e-6)
+    assert loss("robust", 0.5)[0] == pytest.approx(loss("sigmoid", 0.5)[0])  # eps = 0: plain DPO
+
+
+def test_ipo_by_hand_on_per_token_averages():
+    # averages: policy -1/2, -3/4; reference -2/2, -2/4 -> h = (-0.5 + 0.75) - (-1 + 0.5) = 0.75
+    # beta = 0.5: 1 / (2 beta) = 1 -> (0.75 - 1)^2 = 0.0625
+    value, chosen_reward, rejected_reward = loss("ipo", 0.5, lengths=(2, 4))
+    assert value == pytest.approx(0.0625, abs=1e-6)
+    assert (chosen_reward, rejected_reward) == pytest.approx((0.5 * (-0.5 + 1), 0.5 * (-0.75 + 0.5)))
+    with pytest.raises(ValueError, match="ipo averages log-probs per token: pass chosen_lengths"):
+        loss("ipo", 0.5)
+
+
+def test_hinge_by_hand():
+    assert loss("hinge", 0.5)[0] == pytest.approx(0.0)  # relu(1 - 0.5 * 2)
+    assert loss("hinge", 0.25)[0] == pytest.approx(0.5)  # relu(1 - 0.25 * 2)
+    assert loss("hinge", 0.25, policy=(-3.0, -1.0))[0] == pytest.approx(1 + 0.25 * 2)  # h = (-3 + 1) - 0 = -2
+
+
+def test_apo_zero_by_hand():
+    # chosen log-ratio 1, rejected -1, beta 0.5: 1 - sigmoid(0.5) + sigmoid(-0.5)
+    value, _, _ = loss("apo-zero", 0.5)
+    assert value == pytest.approx(1 - sigmoid(0.5) + sigmoid(-0.5), abs=1e-6)
+
+
+def test_sppo_hard_by_hand():
+    # chosen log-ratio 1, rejected -1: (1 - 1/(2 beta))^2 + (-1 + 1/(2 beta))^2
+    assert loss("sppo-hard", 0.5)[0] == pytest.approx(0.0)  # 1/(2 beta) = 1: both at their targets
+    assert loss("sppo-hard", 1.0)[0] == pytest.approx(0.5**2 + 0.5**2)
+    assert loss("sppo-hard", 0.25)[0] == pytest.approx((1 - 2) ** 2 + (-1 + 2) ** 2)
+
+
+def test_simpo_by_hand():
+    # averages: -2/2 = -1 and -6/3 = -2; beta 2, gamma 1: -log sigmoid(2 * (-1 + 2) - 1) = log(1 + e^-1)
+    value, chosen_reward, rejected_reward = loss("simpo", 2.0, policy=(-2.0, -6.0), lengths=(2, 3), simpo_gamma=1.0)
+    assert value == pytest.approx(log1p_exp(-1.0), abs=1e-6)
+    assert (chosen_reward, rejected_reward) == pytest.approx((2 * -1, 2 * -2))
+    # no reference: it is not read at all
+    losses, _, _ = dpo.preference_loss(torch.tensor([-2.0]), torch.tensor([-6.0]), None, None, "simpo", 2.0,
+                                       simpo_gamma=1.0, chosen_lengths=torch.tensor([2]),
+                                       rejected_lengths=torch.tensor([3]))
+    assert losses.item() == pytest.approx(value)
+
+
+def test_losses_are_per_pair():
+    policy_chosen, policy_rejected = torch.tensor([-1.0, -2.0, -5.0]), torch.tensor([-3.0, -2.0, -1.0])
+    reference = torch.full((3,), -2.0)
+    losses, chosen_rewards, _ = dpo.preference_loss(policy_chosen, policy_rejected, reference, reference, "sigmoid",
+                                                    1.0)
+    # h per pair: 2, 0, -4
+    assert losses.tolist() == pytest.approx([log1p_exp(-2.0), math.log(2), log1p_exp(4.0)], abs=1e-6)
+    assert chosen_rewards.tolist() == pytest.approx([1.0, 0.0, -3.0]) and not chosen_rewards.requires_grad
+
+
+@pytest.mark.parametrize("loss_type", [t for t in dpo.LOSS_TYPES if t != "simpo"])
+@pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
+def test_loss_at_reference_matches_preference_loss(loss_type, beta):
+    smoothing = 0.1 if loss_type in dpo.SMOOTHED_LOSS_TYPES else 0.0
+    logps = (torch.tensor([-7.0, -0.5]), torch.tensor([-3.0, -12.0]))  # any values: policy == reference
+    lengths = {"chosen_lengths": torch.tensor([4, 1]), "rejected_lengths": torch.tensor([2, 9])}
+    losses, chosen_rewards, rejected_rewards = dpo.preference_loss(*logps, *logps, loss_type, beta, smoothing,
+                                                                   **lengths)
+    expected = dpo.loss_at_reference(loss_type, beta, smoothing)
+    assert losses.tolist() == pytest.approx([expected] * 2, abs=1e-6)
+    assert chosen_rewards.tolist() == [0.0, 0.0] and rejected_rewards.tolist() == [0.0, 0.0]
+
+
+def test_loss_at_reference_by_hand():
+    assert dpo.loss_at_reference("sigmoid", 0.1, label_smoothing=0.3) == pytest.approx(math.log(2))
+    assert dpo.loss_at_reference("robust", 0.1, label_smoothing=0.3) == pytest.approx(math.log(2))
+    assert dpo.loss_at_reference("ipo", 0.5) == pytest.approx(1.0)  # (1 / (2 * 0.5))^2
+    assert dpo.loss_at_reference("ipo", 0.1) == pytest.approx(25.0)  # (1 / 0.2)^2
+    assert dpo.loss_at_reference("hinge", 0.1) == 1.0 and dpo.loss_at_reference("apo-zero", 3.0) == 1.0
+    assert dpo.loss_at_reference("sppo-hard", 0.1) == pytest.approx(2 * 25.0)
+    assert dpo.loss_at_reference("simpo", 2.0, simpo_gamma=1.0) is None
+
+
+def test_sft_loss_by_hand():
+    # mean NLL per token: 2 / 2 and 6 / 3
+    assert dpo.sft_loss(torch.tensor([-2.0, -6.0]), torch.tensor([2, 3])).tolist() == pytest.approx([1.0, 2.0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"loss_type": "kto"}, "unknown loss type 'kto'; known: sigmoid, ipo"),
+    ({"beta": 0.0}, "beta must be greater than 0"),
+    ({"loss_type": "hinge", "label_smoothing": 0.1}, "label smoothing applies to sigmoid, robust, simpo, not to hinge"),
+    ({"loss_type": "robust", "label_smoothing": 0.5}, r"label smoothing must be in \[0, 0.5\)"),
+    ({"simpo_gamma": 1.0}, "simpo_gamma applies to simpo only"),
+])
+def test_bad_settings_are_one_line(kwargs, message):
+    settings = {"loss_type": "sigmoid", "beta": 0.1} | kwargs
+    with pytest.raises(ValueError, match=message):
+        dpo.loss_at_reference(**settings)
+    with pytest.raises(ValueError, match=message):
+        loss(settings.pop("loss_type"), settings.pop("beta"), **settings)
+
+
+def test_import_is_light():
+    """dpo.py imports torch only at its top: no transformers before main() needs it."""
+    code = "import sys, dpo; assert 'transformers' not in sys.modules and 'datasets' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=dpo.__file__.rsplit("/", 1)[0])
