@@ -9,15 +9,346 @@ https://arxiv.org/abs/2402.04792), both responses are sampled from the current p
 `--loss-type` swaps the loss for one of its variants (IPO, hinge/SLiC, robust, APO-zero, SPPO-hard, SimPO); each is
 a few lines of `preference_loss` below, with its paper. `--sft-weight` adds RPO's NLL on the chosen response.
 
-    torchrun --nproc_per_node 2 dpo.py
+Each step: pairs (a dataset's, or online: the policy's own responses ranked by the reward) -> reference log-probs
+(computed once by the initial policy and cached on disk, or a frozen copy) -> policy log-probs of both responses in
+one packed micro-batch -> loss -> update -> (online: weight sync) -> log -> checkpoint. At the first step the
+policy equals the reference, so the loss must equal its known value (ln 2 for DPO) and every implicit reward 0:
+the run checks it, which catches masking, packing, precision and prompt-boundary bugs at once.
+Left out on purpose: a reference model of another architecture, reward-model ensembles, length-controlled DPO.
 
-Here so far: the losses. main() (data, FSDP2 training loop, online sampling) is to come.
+    torchrun --nproc_per_node 2 dpo.py                   # built-in task, synthetic pairs, CPU, about a minute
+    torchrun --nproc_per_node 2 dpo.py --online          # pairs sampled from the policy, ranked by the reward
+    torchrun --nproc_per_node 8 dpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset Anthropic/hh-rlhf \\
+        --dataset-config harmless-base
 """
 
+import hashlib
+import json
 import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from common.batching import plan_equal_micro_batches, share_samples_evenly
+from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
+from common.errors import check_ranges, parse_args, run_main
+from common.logger import Logger, StageTimer
+from common.logprobs import packed_response_logprobs, use_packed_attention
+from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model, stop_token_ids
+from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hyperparameters
+from common.perf import TrainingMemoryPeak, mfu, peak_flops
+from common.preferences import load_pairs, tokenize_pairs
+from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
+from common.rewards import load_reward_fn
+from common.rollouts import Rollouts, check_rollout_args, fill_rollout_defaults, serve_rollouts
+from common.rundir import open_run_dir
+from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
+from common.split import init_placement
+from common.value_models import load_reward_model, reward_model_scores
+from sharding.checkpoint import save_hf_checkpoint
+
+
+@dataclass
+class Args:
+    # model and data
+    model: str | None = None
+    """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
+    dataset: str | None = None
+    """preference pairs: HF hub dataset name or a local .jsonl/.json/.parquet/.csv file (also compressed, e.g.
+    .jsonl.gz); unset: the built-in task's pairs (the right answer chosen over a wrong one). With --online: the
+    prompts and reference answers, as grpo.py's --dataset"""
+    dataset_config: str | None = None
+    """configuration name of a hub dataset (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
+    prompt_key: str = "prompt"
+    """column of the prompt; a file without it holds whole dialogues, whose common start is the prompt"""
+    chosen_key: str = "chosen"
+    """column of the preferred response (or whole dialogue)"""
+    rejected_key: str = "rejected"
+    """column of the other response (or whole dialogue)"""
+    answer_key: str = "answer"
+    """with --online: the column of the reference answer the reward function checks"""
+    eval_split: str = "test"
+    """hub dataset split to evaluate on; a local file holds out its last --eval-size pairs instead"""
+    eval_size: int | None = None
+    """held-out pairs (with --online: prompts); unset: 256, or a tenth of a local file of fewer than 2,560"""
+    chat_template: bool | None = None
+    """wrap the text in the tokenizer's chat template; unset: for conversations (lists of messages) only"""
+    max_len: int | None = None
+    """most tokens of prompt + response: longer pairs lose prompt tokens from the start, then response tokens from
+    the end; unset: 16 for the built-in task, else 1024"""
+    max_prompt_len: int | None = None
+    """the prompt keeps at least this many of its last tokens when a pair is cut; unset: half of --max-len (with
+    --online: prompts longer than this are dropped, 256 unless set)"""
+
+    # online DPO
+    online: bool = False
+    """sample the pairs from the policy: --group-size responses per prompt, the best against the worst by the
+    reward (ties skipped), generated by the shared rollout engines (vLLM on GPUs)"""
+    group_size: int = 8
+    """with --online: responses sampled per prompt"""
+    prompts_per_step: int = 64
+    """with --online: prompts per step over all ranks"""
+    reward_fn: str | None = None
+    """with --online: gsm8k, math, synthetic, none or path/to/file.py:function, added to --reward-model's score;
+    unset: synthetic for the built-in task, none with --reward-model, else gsm8k"""
+    reward_model: str | None = None
+    """with --online: an AutoModelForSequenceClassification checkpoint (one label) that scores each response"""
+    ref_update_every: int = 0
+    """with --online: copy the policy into the reference every this many steps (iterative DPO); 0: never"""
+    reward_workers: int | None = None
+    """processes per rank that run the reward function; unset: 2 with vLLM, 1 with hf"""
+    reward_timeout: float | None = 30.0
+    """seconds one reward call may take: a slower one is stopped, scores 0 and is counted; None: no limit"""
+    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm on GPUs when installed, else hf (the trained model's own generate, slow but runs anywhere)"""
+    rollout_tp: int = 1
+    """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
+    rollout_gpu_memory: float = 0.5
+    """fraction of GPU memory vLLM may take for weights and KV cache"""
+    rollout_eager: bool = False
+    """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
+    sync_bucket_mb: int = 512
+    """size of the buckets the trainer's weights are streamed to vLLM in"""
+    check_weight_sync: bool = False
+    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated)"""
+    rollout_ranks: int = 0
+    """with --online, split placement: the last K ranks only generate, the others only train; 0: colocated"""
+    async_rollout: bool = False
+    """with --rollout-ranks: generate the next batch while the trainers train on this one"""
+    max_staleness: int = 1
+    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
+    temperature: float = 1.0
+    """with --online: sampling temperature (the log-probs DPO trains on are at temperature 1)"""
+    top_p: float = 1.0
+    """with --online: nucleus sampling threshold"""
+    max_response_len: int | None = None
+    """with --online: maximum new tokens per response; unset: 2 for the built-in task, else 1024"""
+
+    # optimisation
+    steps: int | None = None
+    """number of steps (one optimizer update each); unset: 150 for the built-in task, else one epoch of the pairs"""
+    pairs_per_step: int = 32
+    """offline: pairs per step over all ranks"""
+    lr: float | None = None
+    """AdamW learning rate; unset: 1e-3 for the built-in tiny model (random init), else 5e-7"""
+    warmup_steps: int = 5
+    """linear learning-rate warmup over this many updates"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    beta: float = 0.1
+    """how far the policy may move from the reference: the implicit reward is beta * log(pi / pi_ref)"""
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "apo-zero", "sppo-hard", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, hinge, robust, apo-zero, sppo-hard or simpo (no reference, length-normalised)"""
+    label_smoothing: float = 0.0
+    """with sigmoid (cDPO), robust or simpo: the probability that a preference label is wrong"""
+    simpo_gamma: float = 0.0
+    """with simpo: the margin the chosen response must win by"""
+    sft_weight: float | None = None
+    """weight of the chosen responses' mean per-token NLL added to the loss (RPO): keeps their log-probs from
+    falling with the rejected ones'; unset: 1 for the built-in task (its chosen answers are the right ones), else 0"""
+    ref_cache: str = "runs/ref_cache"
+    """directory where the reference log-probs (computed once, by the initial policy) are kept, under a key of the
+    model, data, template and lengths, so a later run on the same pairs skips them; none: a frozen copy of the
+    model computes them every step instead (always the case with --online)"""
+    skip_start_check: bool = False
+    """do not stop the run when the first step's loss and rewards differ from their values at policy == reference"""
+    max_tokens_per_micro_batch: int = 16384
+    """token budget of one forward/backward pass: pairs are packed end to end, chosen and rejected together"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer in backward to save memory"""
+
+    # evaluation, checkpoints, logging
+    eval_every: int = 25
+    """held-out evaluation (preference accuracy, and greedy task accuracy where there is a task) every this many
+    steps, and before and after training"""
+    save_every: int = 0
+    """write an HF-format checkpoint every this many steps; 0: only at the end"""
+    save_state_every: int = 50
+    """write a resumable training state every this many steps; 0: only at the end and on a stop signal"""
+    keep_checkpoints: int = 2
+    """resumable training states kept in the output dir (the newest); 0 keeps all"""
+    resume: str = "auto"
+    """auto: continue from the newest intact training state in the output dir, if any; none: start afresh (refused
+    where another run's files are, unless --overwrite); or the path of a state_<step> directory"""
+    overwrite: bool = False
+    """delete the run already in the output dir (its states, exports and metrics) and start afresh"""
+    max_bad_steps: int = 5
+    """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
+    output_dir: str | None = None
+    """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
+    run_name: str | None = None
+    """unset: dpo_<dataset>_s<seed>_<hash of the flags that define the run>, so that the same command resumes its
+    run and a changed one starts a new run (--steps, cadences, logging and memory flags are not in the hash)"""
+    seed: int = 1
+    """seed for the model init, data order and sampling"""
+    track: bool = False
+    """log to Weights & Biases (respects WANDB_MODE, e.g. offline)"""
+    wandb_project: str = "nanorl"
+    """W&B project"""
+
+
+# Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
+FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_key", "rejected_key", "answer_key",
+                   "eval_split", "eval_size", "seed", "online", "group_size", "prompts_per_step", "pairs_per_step",
+                   "max_len", "max_prompt_len", "chat_template")
+
+
+def check_args(args: Args, world: int) -> None:
+    """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded)."""
+    check_ranges(args, positive=["lr", "max_grad_norm"],
+                 at_least_one=["steps", "pairs_per_step", "eval_size", "max_tokens_per_micro_batch", "max_len"],
+                 non_negative=["warmup_steps", "weight_decay", "sft_weight", "ref_update_every", "eval_every",
+                               "save_every", "save_state_every", "keep_checkpoints"])
+    check_loss_args(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
+    if args.online:
+        check_rollout_args(args, world)
+        if args.group_size < 2:
+            raise ValueError("--group-size must be at least 2: a pair is the best and the worst of a group")
+        if args.reward_fn == "none" and args.reward_model is None:
+            raise ValueError("--reward-fn none needs --reward-model: every response would tie")
+    else:
+        if args.pairs_per_step % world:
+            raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be divisible by the {world} training ranks")
+        for name in ("rollout_ranks", "async_rollout", "reward_model", "ref_update_every"):
+            if getattr(args, name):
+                raise ValueError(f"--{name.replace('_', '-')} needs --online (offline pairs come from the dataset)")
+    if 2 * args.max_len > args.max_tokens_per_micro_batch:
+        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole pair: "
+                         f"2 x --max-len = {2 * args.max_len}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: pairs to train on and to evaluate with.
+
+def load_pair_rows(args: Args, tokenizer, stop_ids) -> tuple[list[dict], list[dict], dict]:
+    """Offline: (train rows, held-out rows, stats) of tokenized pairs {"prompt_ids", "chosen_ids", "rejected_ids"};
+    the held-out pairs are a hub dataset's --eval-split, or the last --eval-size pairs of a local file."""
+    from common.data import DEFAULT_EVAL_SIZE, _is_local_file
+    if args.dataset is None:
+        from common.synthetic import make_synthetic_pairs
+        train, held_out, stats = make_synthetic_pairs("train"), make_synthetic_pairs("test"), {}
+    elif _is_local_file(args.dataset) or args.eval_split is None:
+        pairs, stats = load_pairs(args.dataset, args.prompt_key, args.chosen_key, args.rejected_key,
+                                  args.dataset_config)
+        size = args.eval_size or max(1, min(DEFAULT_EVAL_SIZE, len(pairs) // 10))
+        if size >= len(pairs):
+            raise ValueError(f"{args.dataset}: --eval-size {size} leaves none of its {len(pairs)} pairs for training")
+        train, held_out = pairs[:-size], pairs[-size:]
+    else:
+        train, stats = load_pairs(args.dataset, args.prompt_key, args.chosen_key, args.rejected_key,
+                                  args.dataset_config, split="train")
+        held_out, _ = load_pairs(args.dataset, args.prompt_key, args.chosen_key, args.rejected_key,
+                                 args.dataset_config, split=args.eval_split)
+    held_out = held_out[:args.eval_size or DEFAULT_EVAL_SIZE]
+    rows, token_stats = tokenize_pairs(train, tokenizer, args.max_len, args.chat_template, args.max_prompt_len,
+                                       stop_ids)
+    eval_rows, _ = tokenize_pairs(held_out, tokenizer, args.max_len, args.chat_template, args.max_prompt_len,
+                                  stop_ids)
+    return rows, eval_rows, {**stats, **token_stats}
+
+
+def pair_length(pair: dict) -> int:
+    """Tokens a pair takes in a packed micro-batch: the prompt twice, both responses once."""
+    return 2 * len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
+
+
+def pair_logps(model, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs [pairs] of the chosen and of the rejected responses, both of every pair in one packed
+    forward (an empty `pairs` runs a dummy: a rank's zero-weight filler pass; both results are then its one value)."""
+    sequences = [dict(prompt_ids=p["prompt_ids"], response_ids=p[side]) for p in pairs
+                 for side in ("chosen_ids", "rejected_ids")]
+    logprobs, _ = packed_response_logprobs(model, sequences, temperature=1.0)
+    sums = torch.stack([lp.sum() for lp in logprobs])  # chosen, rejected, chosen, rejected, ...
+    return (sums[0::2], sums[1::2]) if pairs else (sums, sums)
+
+
+@torch.no_grad()
+def reference_logps(model, rows: list[dict], args: Args, rank: int, world: int, device) -> list[tuple[float, float]]:
+    """Collective: every row's (chosen, rejected) summed log-probs under `model`, each rank computing a share."""
+    mine = list(range(rank, len(rows), world))
+    out = {}
+    for mb in plan_equal_micro_batches([pair_length(rows[i]) for i in mine], args.max_tokens_per_micro_batch,
+                                       device):
+        chosen, rejected = pair_logps(model, [rows[mine[j]] for j in mb])
+        out.update({mine[j]: (c, r) for j, c, r in zip(mb, chosen.tolist(), rejected.tolist())})
+    model.reshard()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    merged = {i: pair for part in everyone for i, pair in part.items()}
+    return [merged[i] for i in range(len(rows))]
+
+
+def model_fingerprint(model: str | None, seed: int) -> str:
+    """What identifies the reference's weights: the built-in model's seed, or the checkpoint's files (names, sizes,
+    times: a retrained checkpoint in the same directory is another model)."""
+    if model is None:
+        return f"builtin:{seed}"
+    if not os.path.isdir(model):
+        return f"hub:{model}"
+    files = sorted(f for f in os.listdir(model) if f.endswith((".safetensors", ".bin", ".json")))
+    return json.dumps([model, [(f, os.path.getsize(os.path.join(model, f)),
+                                os.path.getmtime(os.path.join(model, f))) for f in files]])
+
+
+def cached_reference_logps(policy, rows: list[dict], needed: list[int], args: Args, rank: int, world: int, device,
+                           logger) -> dict[int, tuple[float, float]]:
+    """The reference log-probs of rows[i] for every i in `needed`, computed by the initial policy and kept in
+    --ref-cache under a key of the model and the exact token ids of all rows (so data, template and lengths are in
+    it): a later run on the same pairs computes only what the cache lacks, and no reference model sits in memory
+    while training. Returns {row index: (chosen, rejected)}."""
+    key = hashlib.sha1((model_fingerprint(args.model, args.seed) + json.dumps(
+        [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in rows])).encode()).hexdigest()[:16]
+    path = os.path.join(args.ref_cache, f"{key}.pt")
+    try:
+        cache = torch.load(path) if os.path.isfile(path) else {}
+    except Exception:  # noqa: BLE001 - a damaged cache file is recomputed, not trusted
+        cache = {}
+    missing = sorted(set(needed) - set(cache))
+    if missing:
+        cache.update(zip(missing, reference_logps(policy, [rows[i] for i in missing], args, rank, world, device)))
+        if rank == 0:
+            os.makedirs(args.ref_cache, exist_ok=True)
+            torch.save(cache, path + f".tmp{os.getpid()}")
+            os.replace(path + f".tmp{os.getpid()}", path)
+        dist.barrier()
+    logger.print(f"reference log-probs of {len(needed)} pairs: {len(needed) - len(missing)} from {path}, "
+                 f"{len(missing)} computed")
+    return cache
+
+
+def rows_in_use(rows: list[dict], args: Args, steps: int) -> list[int]:
+    """The indices of the rows the first `steps` steps will sample (the sampler's global batches are a function of
+    the step, so this is known before training)."""
+    from common.data import PromptSampler
+    sampler = PromptSampler(rows, args.pairs_per_step, 0, 1, args.seed)
+    return sorted({row["index"] for _ in range(steps) for row in sampler.next_batch()})
+
+
+def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict]:
+    """Per prompt (group_size samples in a row), its best response against its worst by the reward; a group whose
+    rewards all tie gives no pair. Returns the pairs and this rank's sums for the log."""
+    pairs, gaps = [], []
+    for start in range(0, len(samples), args.group_size):
+        group = samples[start:start + args.group_size]
+        best = max(group, key=lambda s: s["score"])
+        worst = min(group, key=lambda s: s["score"])
+        if best["score"] > worst["score"]:
+            pairs.append({"prompt_ids": best["prompt_ids"], "chosen_ids": best["response_ids"],
+                          "rejected_ids": worst["response_ids"]})
+            gaps.append(best["score"] - worst["score"])
+    groups = len(samples) // args.group_size
+    return pairs, {"groups": groups, "ties": groups - len(pairs), "reward_gap": sum(gaps)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The update.
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "apo-zero", "sppo-hard", "simpo")
 SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "simpo")  # the ones label_smoothing applies to
@@ -127,3 +458,337 @@ def sft_loss(chosen_logps_sum, chosen_lengths):
     each chosen response's mean per-token negative log-likelihood, [pairs] (summed log-probs and lengths, [pairs]).
     Averaging per response keeps long responses from outweighing short ones, as the paper's length normalisation."""
     return -chosen_logps_sum / chosen_lengths
+
+
+def train_step(policy, optimizer, pairs: list[dict], args: Args, world: int, device) -> dict[str, float]:
+    """One optimizer step on all of this rank's pairs, in packed micro-batches; the loss is the mean over every
+    rank's pairs (normalised by their global count). Returns this rank's sums of the step's statistics."""
+    sums = dict.fromkeys(["loss", "pairs", "reward_chosen", "reward_rejected", "correct", "logp_chosen",
+                          "logp_rejected", "sft", "grad_norm", "skipped"], 0.0)
+    num_pairs = sum_over_ranks({"pairs": len(pairs)}, device)["pairs"]
+    for mb in plan_equal_micro_batches([pair_length(p) for p in pairs], args.max_tokens_per_micro_batch, device):
+        mbs = [pairs[i] for i in mb]
+        chosen, rejected = pair_logps(policy, mbs)
+        if not mbs:  # this rank ran out of pairs: a zero-weight pass keeps FSDP's collectives in step
+            (chosen.sum() * 0.0).backward()
+            continue
+        ref_chosen = torch.tensor([p["ref_chosen"] for p in mbs], device=device)
+        ref_rejected = torch.tensor([p["ref_rejected"] for p in mbs], device=device)
+        chosen_lengths = torch.tensor([len(p["chosen_ids"]) for p in mbs], device=device, dtype=torch.float32)
+        rejected_lengths = torch.tensor([len(p["rejected_ids"]) for p in mbs], device=device, dtype=torch.float32)
+        losses, chosen_rewards, rejected_rewards = preference_loss(
+            chosen, rejected, ref_chosen, ref_rejected, args.loss_type, args.beta, args.label_smoothing,
+            args.simpo_gamma, chosen_lengths, rejected_lengths)
+        nll = sft_loss(chosen, chosen_lengths)
+        loss = (losses + args.sft_weight * nll).sum() / num_pairs
+        (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
+        sums["loss"] += losses.sum().item()
+        sums["sft"] += nll.sum().item()
+        sums["pairs"] += len(mbs)
+        sums["reward_chosen"] += chosen_rewards.sum().item()
+        sums["reward_rejected"] += rejected_rewards.sum().item()
+        sums["correct"] += (chosen_rewards > rejected_rewards).sum().item()
+        sums["logp_chosen"] += chosen.sum().item()
+        sums["logp_rejected"] += rejected.sum().item()
+    grad_norm = clip_and_step(policy, optimizer, args.max_grad_norm)  # None: NaN/inf, the step is skipped
+    sums["skipped"], sums["grad_norm"] = float(grad_norm is None), grad_norm or 0.0
+    return sums
+
+
+@torch.no_grad()
+def evaluate_pairs(policy, rows: list[dict], ref: list, args: Args, rank: int, world: int, device) -> dict:
+    """Collective: held-out preference accuracy (the chosen response's implicit reward above the rejected one's),
+    loss and margin, every rank a share of the pairs."""
+    mine = list(range(rank, len(rows), world))
+    sums = dict.fromkeys(["loss", "correct", "margin", "pairs"], 0.0)
+    for mb in plan_equal_micro_batches([pair_length(rows[i]) for i in mine], args.max_tokens_per_micro_batch, device):
+        mbs = [mine[j] for j in mb]
+        chosen, rejected = pair_logps(policy, [rows[i] for i in mbs])
+        if not mbs:
+            continue
+        lengths = lambda side: torch.tensor([len(rows[i][side]) for i in mbs], device=device, dtype=torch.float32)
+        losses, chosen_rewards, rejected_rewards = preference_loss(
+            chosen, rejected, torch.tensor([ref[i][0] for i in mbs], device=device),
+            torch.tensor([ref[i][1] for i in mbs], device=device), args.loss_type, args.beta, args.label_smoothing,
+            args.simpo_gamma, lengths("chosen_ids"), lengths("rejected_ids"))
+        sums["loss"] += losses.sum().item()
+        sums["correct"] += (chosen_rewards > rejected_rewards).sum().item()
+        sums["margin"] += (chosen_rewards - rejected_rewards).sum().item()
+        sums["pairs"] += len(mbs)
+    policy.reshard()
+    sums = sum_over_ranks(sums, device)
+    n = max(sums["pairs"], 1)
+    return {"eval/preference_accuracy": sums["correct"] / n, "eval/loss": sums["loss"] / n,
+            "eval/margin": sums["margin"] / n}
+
+
+def check_start(sums: dict, args: Args) -> None:
+    """At the first step the policy equals the reference: the loss must be its known value and every implicit
+    reward 0 (up to float rounding). Anything else is a bug in masking, packing, precision or the prompt boundary."""
+    expected = loss_at_reference(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
+    if expected is None or args.skip_start_check:
+        return
+    n = max(sums["pairs"], 1)
+    loss, rewards = sums["loss"] / n, (abs(sums["reward_chosen"]) + abs(sums["reward_rejected"])) / n
+    if abs(loss - expected) > 2e-3 * max(1.0, expected) or rewards > 0.05 * args.beta:
+        raise ValueError(f"start-up check: at step 1 the policy equals the reference, so the {args.loss_type} loss "
+                         f"must be {expected:.4f} and the implicit rewards 0, but they are {loss:.4f} and "
+                         f"{rewards:.3g} on average (a masking, packing, precision or prompt-boundary bug; "
+                         f"--skip-start-check runs anyway)")
+
+
+def main():
+    args = parse_args(Args)
+    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    rank, world = placement.rank, placement.world
+    quiet_libraries()
+    # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
+    builtin = args.dataset is None
+    args.lr = (1e-3 if args.model is None else 5e-7) if args.lr is None else args.lr
+    args.max_len = (16 if builtin else 1024) if args.max_len is None else args.max_len
+    args.max_prompt_len = args.max_prompt_len or (256 if args.online else args.max_len // 2)
+    args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
+    args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
+    args.steps = args.steps or (150 if builtin else None)
+    args.sft_weight = (1.0 if builtin else 0.0) if args.sft_weight is None else args.sft_weight
+    if args.online or builtin:  # rollouts: online, the pairs; the built-in task, greedy evaluation
+        fill_rollout_defaults(args)  # the engine, reward processes
+    if args.online:
+        args.ref_cache = "none"  # the pairs are new every step
+    check_args(args, placement.num_trainers)
+    if args.online:
+        load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
+    torch.manual_seed(args.seed)
+
+    # Data: preference pairs (offline), or prompts with reference answers (online) and held-out pairs or prompts.
+    tokenizer = load_tokenizer(args.model)
+    stop_ids = stop_token_ids(args.model, tokenizer)
+    task_rows = eval_task_rows = eval_pairs = None  # prompts whose greedy answers a reward can check
+    if args.online:
+        from common.data import load_train_eval, tokenize_prompts
+        task_rows, eval_task_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key,
+                                                    args.dataset_config, eval_split=args.eval_split,
+                                                    eval_size=args.eval_size, seed=args.seed)
+        task_rows, _ = tokenize_prompts(task_rows, tokenizer, args.max_prompt_len, args.chat_template)
+        eval_task_rows, _ = tokenize_prompts(eval_task_rows, tokenizer, args.max_prompt_len, args.chat_template)
+        data_notes = f"{len(task_rows)} train / {len(eval_task_rows)} eval prompts"
+    else:
+        rows, eval_pairs, stats = load_pair_rows(args, tokenizer, stop_ids)
+        args.steps = args.steps or max(1, len(rows) // args.pairs_per_step)
+        data_notes = (f"{len(rows)} train / {len(eval_pairs)} eval pairs; " +
+                      ", ".join(f"{k} {v}" for k, v in stats.items()))
+        if builtin:  # the built-in task also has answers: greedy task accuracy on held-out prompts
+            from common.data import load_train_eval, tokenize_prompts
+            task_rows, eval_task_rows = load_train_eval(None, "prompt", "answer", eval_size=args.eval_size)
+            task_rows, _ = tokenize_prompts(task_rows, tokenizer, 256, args.chat_template)
+            eval_task_rows, _ = tokenize_prompts(eval_task_rows, tokenizer, 256, args.chat_template)
+
+    # The run's directory: locked for this run, and resumed from its newest intact training state (--resume auto).
+    run_dir = open_run_dir("dpo", given, asdict(args), FIXED_ON_RESUME)
+    resume_path, output_dir = run_dir.resume_from, run_dir.path
+    resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
+    start_step = resumed["step"]
+    if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
+        return serve_rollouts(args, placement, tokenizer, task_rows, eval_task_rows, device, output_dir, start_step)
+
+    # Models: the policy, and a frozen reference unless its log-probs come from the cache; the reward model.
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    reference = reward_model = rm_tokenizer = None
+    if args.ref_cache == "none" and args.loss_type != "simpo":
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+    if args.reward_model is not None:
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model)
+        reward_model = shard_model(reward_model, device, trainable=False)
+    for model in filter(None, [policy, reference, reward_model]):  # training passes run on packed rows
+        use_packed_attention(model, device)
+    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
+    optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
+
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
+                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
+    for note in [*run_dir.notes, data_notes]:
+        logger.print(note)
+    timer = StageTimer(device)
+    # Where pairs come from: the dataset, through a seeded sampler (offline); the policy, through the shared
+    # rollouts (online), which also give greedy task accuracy wherever prompts have answers.
+    rollouts = None
+    if task_rows is not None:
+        rollouts = Rollouts(args, placement, policy, tokenizer, task_rows, eval_task_rows, device, output_dir,
+                            start_step, logger, timer)
+    if args.online:
+        data = rollouts
+    else:
+        from common.data import PromptSampler
+        data = PromptSampler(rows, args.pairs_per_step // world, rank, world, args.seed)
+        for i, row in enumerate(rows + eval_pairs):
+            row["index"] = i
+        ref = None
+        if args.loss_type != "simpo" and reference is None:  # before the first update: the policy is the reference
+            needed = rows_in_use(rows, args, args.steps) + [row["index"] for row in eval_pairs]
+            with timer("reference"):
+                ref = cached_reference_logps(policy, rows + eval_pairs, needed, args, rank, world, device, logger)
+    # Installed after the engine, which may set handlers of its own: SIGTERM and Ctrl-C now mean "finish the step,
+    # save, stop" (common/signals.py).
+    install_stop_handlers()
+    bad_steps = BadStepCounter(args.max_bad_steps)
+    if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
+        more = {"reference": (reference, None, None)} if reference is not None and args.ref_update_every else None
+        info = load_training_state(resume_path, policy, optimizer, scheduler, data, more)
+        set_hyperparameters(optimizer, scheduler, args.lr, args.weight_decay)  # this command's, not the saved ones
+        bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
+        logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
+                     " (another number of ranks: model, optimizer and data position are exact, random streams "
+                     "re-seeded)"))
+    first_eval = last_eval = resumed["extra"].get("first_eval")
+    if not resume_path:
+        first_eval = last_eval = evaluate(policy, reference, rollouts, eval_pairs, args, rank, world, device,
+                                          ref if not args.online else None, step=0, timer=timer)
+        logger.log(0, {**first_eval, **timer.pop()}, advance=False)
+    timer.pop()
+
+    stop = False
+    for step in range(start_step + 1, args.steps + 1):
+        step_start = time.perf_counter()
+        metrics = {}
+        # 1. Pairs: this rank's share of the step's preference pairs.
+        if args.online:  # sampled from the policy, scored, the best response of each prompt against its worst
+            samples, metrics = rollouts.next_batch(step)
+            with timer("reward_model"):
+                scores = reward_model_scores(reward_model, rm_tokenizer, tokenizer, samples,
+                                             args.max_tokens_per_micro_batch, device) if reward_model else None
+            for i, s in enumerate(samples):
+                s["score"] = s["reward"] + (scores[i] if scores else 0.0)
+            pairs, pair_sums = make_online_pairs(samples, args)
+        else:
+            pairs, pair_sums, samples = data.next_batch(), {}, []
+        # Every rank takes about the same token work: pairs move between ranks, each whole.
+        pairs, _ = share_samples_evenly(pairs, [pair_length(p) for p in pairs], world, rank)
+
+        # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
+        training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
+        with timer("reference"):
+            if reference is not None:
+                logps = reference_logps_of(reference, pairs, args, device)
+            else:
+                logps = [ref[p["index"]] if ref else (0.0, 0.0) for p in pairs]
+            for p, (c, r) in zip(pairs, logps):
+                p["ref_chosen"], p["ref_rejected"] = c, r
+
+        # 3. Update: the preference loss (plus RPO's NLL), one optimizer step.
+        with timer("update"):
+            stats = train_step(policy, optimizer, pairs, args, world, device)
+            if not stats["skipped"]:
+                scheduler.step()
+        sums = sum_over_ranks({**stats, **pair_sums, "tokens": sum(pair_length(p) for p in pairs),
+                               "response_tokens": sum(len(s["response_ids"]) for s in samples),
+                               "samples": len(samples)}, device)
+        if step == 1 and not resume_path:
+            check_start(sums, args)  # the policy was the reference for this step's loss
+        if args.online and args.ref_update_every and step % args.ref_update_every == 0:
+            with timer("reference"):  # iterative DPO: the reference moves up to the current policy
+                reference.load_state_dict(policy.state_dict())
+
+        # 4. Weight sync to the rollout engines (online; not after a stop signal: every rank saves and stops).
+        stop = stop_agreed(device)
+        if rollouts is not None and args.online:
+            metrics.update(rollouts.publish(step, stop))
+        elif rollouts is not None:
+            rollouts.publish(step, stop)
+
+        # 5. Log.
+        n = max(sums["pairs"], 1)
+        metrics.update({
+            "loss/preference": sums["loss"] / n, "loss/sft": sums["sft"] / n,
+            "rewards/chosen": sums["reward_chosen"] / n, "rewards/rejected": sums["reward_rejected"] / n,
+            "rewards/margin": (sums["reward_chosen"] - sums["reward_rejected"]) / n,
+            "rewards/accuracy": sums["correct"] / n, "logps/chosen": sums["logp_chosen"] / n,
+            "logps/rejected": sums["logp_rejected"] / n, "policy/grad_norm": sums["grad_norm"] / world,
+            "update/skipped": sums["skipped"] / world, "pairs/count": sums["pairs"],
+            "policy/lr": scheduler.get_last_lr()[0]})
+        if args.online:
+            groups = max(sums["groups"], 1)
+            metrics.update({"pairs/tie_frac": sums["ties"] / groups, "pairs/reward_gap": sums["reward_gap"] / n,
+                            "response/length_mean": sums["response_tokens"] / max(sums["samples"], 1)})
+        bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
+        step_seconds = time.perf_counter() - step_start
+        metrics.update({"time/step": step_seconds, "perf/tokens_per_s": sums["tokens"] / step_seconds})
+        if (train_mfu := mfu(num_params, sums["tokens"], timer.seconds["time/update"], peak, world)):
+            metrics["perf/mfu"] = train_mfu
+        if training_memory is not None:
+            rollout_memory = rollouts.rollout_memory if rollouts is not None else 0
+            metrics["perf/peak_memory_gb"] = max_over_ranks(max(rollout_memory, training_memory.peak()) / 1e9, device)
+        if args.eval_every and step % args.eval_every == 0 or step == args.steps:
+            last_eval = evaluate(policy, reference, rollouts, eval_pairs, args, rank, world, device,
+                                 ref if not args.online else None, step=step, timer=timer)
+            metrics.update(last_eval)
+        if args.save_every and step % args.save_every == 0 or step == args.steps:
+            with timer("save"):
+                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
+                                   checkpoint_dtype(args.model))
+        logger.log(step, {**metrics, **timer.pop()})  # before the state: a state never exists without its row
+        crash_point("after_row", step)
+
+        # 6. Checkpoint: a resumable training state (its time is logged with the next step).
+        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
+            with timer("save_state"):
+                more = {"reference": (reference, None, None)} if reference is not None and args.ref_update_every \
+                    else None
+                save_training_state(output_dir, step, policy, optimizer, scheduler, data,
+                                    {"wandb_run_id": logger.run_id, "bad_steps_in_a_row": bad_steps.in_a_row,
+                                     "args": asdict(args), "first_eval": first_eval}, more)
+                prune_checkpoints(output_dir, args.keep_checkpoints)
+        crash_point("after_state", step)
+        if stop:
+            logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
+                         f"{step}; run the same command again to continue")
+            break
+
+    if start_step >= args.steps:
+        logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
+                     f"(--steps trains further)")
+    if not stop and first_eval and last_eval:
+        shown = [k for k in ("eval/preference_accuracy", "eval/accuracy") if k in first_eval]
+        logger.print("; ".join(f"held-out {'greedy task' if k == 'eval/accuracy' else 'preference'} accuracy: "
+                               f"{first_eval[k]:.3f} before training -> {last_eval[k]:.3f} after {args.steps} steps"
+                               for k in shown) + f"; model saved to {os.path.join(output_dir, f'hf_step_{args.steps}')}")
+    logger.close()
+    if rollouts is not None:
+        rollouts.close()
+    finish_distributed(exit_process=placement.split)
+
+
+@torch.no_grad()
+def reference_logps_of(reference, pairs: list[dict], args: Args, device) -> list[tuple[float, float]]:
+    """Collective: the frozen reference's summed log-probs of this rank's pairs, in packed micro-batches."""
+    out = [None] * len(pairs)
+    for mb in plan_equal_micro_batches([pair_length(p) for p in pairs], args.max_tokens_per_micro_batch, device):
+        chosen, rejected = pair_logps(reference, [pairs[i] for i in mb])
+        for i, c, r in zip(mb, chosen.tolist(), rejected.tolist()):
+            out[i] = (c, r)
+    reference.reshard()
+    return out
+
+
+def evaluate(policy, reference, rollouts, eval_pairs, args: Args, rank: int, world: int, device, ref, step: int,
+             timer) -> dict[str, float]:
+    """Collective: held-out preference accuracy on pairs (offline) and greedy task accuracy where prompts have
+    answers (the built-in task, --online)."""
+    metrics = {}
+    with timer("eval"):
+        if eval_pairs is not None:
+            if ref is None:  # a frozen reference (or simpo: none at all)
+                if reference is not None:
+                    ref = reference_logps(reference, eval_pairs, args, rank, world, device)
+                else:
+                    ref = [(0.0, 0.0)] * len(eval_pairs)
+            else:
+                ref = [ref[row["index"]] for row in eval_pairs]
+            metrics.update(evaluate_pairs(policy, eval_pairs, ref, args, rank, world, device))
+    if rollouts is not None:
+        metrics.update(rollouts.evaluate(step, due=True))
+    return metrics
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -368,8 +368,7 @@ def main():
     reference = None
     if args.kl_coef > 0:
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
-        if device.type == "cuda":
-            use_packed_attention(reference, device)
+        use_packed_attention(reference, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
 

@@ -578,9 +578,8 @@ def main():
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
         reward_model = shard_model(reward_model, device, trainable=False)
-    if device.type == "cuda":  # these never generate: packed rows only
-        for model in filter(None, [critic, reference, reward_model]):
-            use_packed_attention(model, device)
+    for model in filter(None, [critic, reference, reward_model]):  # these never generate: packed rows only
+        use_packed_attention(model, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps)

@@ -175,9 +175,15 @@ def pad_rows(rows: list, value: float = 0.0) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 
+# On CPU, transformers' attention over a packed row builds a [tokens, tokens] mask: micro-batches stay this small.
+CPU_MAX_TOKENS = 2048
+
+
 def plan_equal_micro_batches(lengths: list[int], max_tokens: int, device: torch.device) -> list[list[int]]:
     """Collective: token-budget micro-batches of sequences of these lengths, as many on every rank (FSDP's
     collectives must pair up)."""
+    if device.type == "cpu":
+        max_tokens = min(max_tokens, max(CPU_MAX_TOKENS, *lengths, 0))
     plan = plan_micro_batches(lengths, max_tokens)
     return equalize_micro_batches(plan, lengths, max_over_ranks(len(plan), device))
 

@@ -42,8 +42,9 @@ class HFRolloutEngine:
             input_ids[i, longest - len(p):] = torch.tensor(p)
             attention_mask[i, longest - len(p):] = 1
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        was_training = self.model.training
+        was_training, attention = self.model.training, self.model.config._attn_implementation
         self.model.eval()
+        self.model.set_attn_implementation("sdpa")  # padded batches and a KV cache; training may use packed rows
         # A private RNG stream per (seed, rank): sampling never disturbs the training RNG, and ranks differ.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed * 1000 + self.rank)
@@ -55,6 +56,7 @@ class HFRolloutEngine:
                 # so a rank whose sequences finished keeps stepping until every rank is done.
                 synced_gpus=dist.is_initialized() and dist.get_world_size() > 1, **sampling)
         self.model.train(was_training)
+        self.model.set_attn_implementation(attention)
         if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's weights gathered after forwards with no backward
             self.model.reshard()
         new_tokens = out.sequences[:, longest:].cpu()  # [batch * n, steps]

@@ -107,8 +107,8 @@ def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Attention for packed rows on GPU. transformers' sdpa path works on packed rows too (it builds a block-diagonal
-# causal mask from position_ids), but that mask is [total, total]: quadratic in the micro-batch, not the sequences.
+# Attention for packed rows. transformers' sdpa path works on packed rows too (it builds a block-diagonal causal mask
+# from position_ids), but that mask is [total, total]: quadratic in the micro-batch, not the sequences.
 
 VARLEN_ATTENTION = "nanorl_varlen"
 
@@ -120,18 +120,21 @@ def _keywords(function) -> frozenset[str]:
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """A transformers attention function over a packed row with torch's flash-attention varlen kernel.
+    """A transformers attention function over a packed row: torch's flash-attention varlen kernel on GPU, and on
+    CPU plain sdpa over the sequences grouped by length (one causal call per distinct length).
 
     query [1, heads, total, head_dim], key/value [1, kv_heads, total, head_dim] -> ([1, total, heads, head_dim], None).
     Each sequence (cu_seq_lens_q) attends causally to itself only: no mask, no wasted work across sequences.
     """
-    from torch.nn.attention.varlen import varlen_attn
-
     if cu_seq_lens_q is None:
         raise ValueError(f"{VARLEN_ATTENTION} attention needs packed inputs (cu_seq_lens_q): use packed_token_logprobs")
     if dropout:
         raise ValueError(f"{VARLEN_ATTENTION} attention has no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [total, heads, head_dim]
+    if not q.is_cuda:
+        return _attention_by_length(q, k, v, cu_seq_lens_q, scaling).unsqueeze(0), None
+    from torch.nn.attention.varlen import varlen_attn
+
     options = _keywords(varlen_attn)  # they changed between torch releases
     extra = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
     if "enable_gqa" in options:
@@ -146,18 +149,31 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     return out.unsqueeze(0), None
 
 
+def _attention_by_length(q, k, v, cu_seqlens, scaling) -> torch.Tensor:
+    """Causal attention of each packed sequence with itself, without a mask: q [total, heads, head_dim], k and v
+    [total, kv_heads, head_dim] -> [total, heads, head_dim]. Sequences of one length go through sdpa together."""
+    import torch.nn.functional as F
+
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: query head h reads kv head h // group
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    out = torch.empty_like(q)
+    for length in lengths.unique().tolist():
+        index = starts[lengths == length, None] + torch.arange(length, device=q.device)  # [m, length]
+        qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [m, heads, length, head_dim]
+        out[index] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling).transpose(1, 2)
+    return out
+
+
 def use_packed_attention(model, device: torch.device) -> str:
-    """Sets the model's attention for packed rows: the varlen kernel on CUDA, else transformers' sdpa (correct,
-    block-diagonal mask, fine for small CPU runs). Call it for training only: the varlen path takes packed rows
-    alone (no padded batches, no KV cache). Returns the implementation chosen."""
+    """Sets the model's attention for packed rows (varlen_attention_forward). It takes packed rows alone, no
+    padded batches and no KV cache: the HF rollout engine switches a policy to sdpa while it generates with it.
+    Returns the implementation's name."""
     from transformers import AttentionInterface
 
-    implementation = "sdpa"
-    if device.type == "cuda":
-        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-        implementation = VARLEN_ATTENTION
-    model.set_attn_implementation(implementation)
-    return implementation
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    model.set_attn_implementation(VARLEN_ATTENTION)
+    return VARLEN_ATTENTION
 
 
 # ---------------------------------------------------------------------------------------------------------------

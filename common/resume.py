@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from common.distributed import raise_on_all_ranks
 
@@ -108,7 +109,8 @@ def save_training_state(path_root: str, step: int, model, optimizer, scheduler, 
             trainer_state = {"step": step, "world_size": world,
                              "scheduler": None if scheduler is None else scheduler.state_dict(),
                              "sampler": None if sampler is None else sampler.state_dict(), "extra": extra,
-                             "schedulers": {name: s.state_dict() for name, (_, _, s) in (more or {}).items()}}
+                             "schedulers": {name: s.state_dict() for name, (_, _, s) in (more or {}).items()
+                                            if s is not None}}
             _write_synced(os.path.join(tmp, TRAINER_STATE),
                           lambda f: f.write(json.dumps(trainer_state, indent=1).encode()))
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below
@@ -185,7 +187,10 @@ def _sharded_state(model, optimizer, more: dict | None) -> dict:
     """This rank's shards (DTensors, no gather) of every model and optimizer, under the names they are saved with."""
     state = {}
     for prefix, (m, o) in [("", (model, optimizer)), *((f"{name}_", pair[:2]) for name, pair in (more or {}).items())]:
-        state[prefix + "model"], state[prefix + "optimizer"] = get_state_dict(m, o)
+        if o is None:  # a model trained otherwise (DPO's moving reference)
+            state[prefix + "model"] = get_model_state_dict(m)
+        else:
+            state[prefix + "model"], state[prefix + "optimizer"] = get_state_dict(m, o)
     return state
 
 
@@ -217,6 +222,9 @@ def load_training_state(path: str, model, optimizer, scheduler, sampler, more: d
                          f"directory uses that one): {' '.join(str(e).split())[:300]}") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     for name, (m, o, s) in (more or {}).items():
+        if o is None:
+            set_model_state_dict(m, state[f"{name}_model"])
+            continue
         set_state_dict(m, o, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optimizer"])
         s.load_state_dict(trainer_state["schedulers"][name])
     if scheduler is not None:

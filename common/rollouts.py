@@ -46,7 +46,7 @@ def fill_rollout_defaults(args) -> None:
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
     if args.reward_workers is None:
         args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
-    if args.async_rollout and args.tis_cap is None:
+    if args.async_rollout and getattr(args, "tis_cap", 0) is None:  # scripts whose loss uses importance ratios
         args.tis_cap = 2.0
 
 
@@ -86,7 +86,7 @@ class Rollouts:
         self.engine = self.scorer = None
         if placement.split:
             logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout "
-                         f"ranks" + (f", async (max staleness {args.max_staleness}, TIS cap {args.tis_cap})"
+                         f"ranks" + (f", async (max staleness {args.max_staleness})"
                                      if args.async_rollout else ", synchronous"))
             self.staleness = args.max_staleness if args.async_rollout else 0
             self.versions_to_send = set(weight_versions(start_step, args.steps, self.staleness, args.eval_every))
@@ -103,10 +103,7 @@ class Rollouts:
                 placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
                 args.seed, args.rollout_eager, args.sync_bucket_mb)
             self.engine.sleep()  # until the first rollout: loading a training state needs the memory
-        # Training runs on packed rows; the colocated HF engine generates with the policy itself, so it keeps an
-        # attention that also takes padded batches (transformers' sdpa, which reads packing from position ids).
-        if device.type == "cuda" and (placement.split or args.rollout_engine != "hf"):
-            use_packed_attention(policy, device)
+        use_packed_attention(policy, device)  # training runs on packed rows
         self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
         self.synced_version = -1  # the policy version the colocated engine holds
         self.version = start_step  # the policy's version: updates made

@@ -70,3 +70,15 @@ def synthetic_reward(prompt: str, completion: str, answer: str) -> float:
     # The prompt is unused; it is in the signature that every reward function shares.
     first_number = re.search(r"-?\d+", completion)
     return float(first_number is not None and first_number.group() == answer)
+
+
+def make_synthetic_pairs(split: str, seed: int = 0) -> list[dict]:
+    """Preference pairs of the built-in task: {"prompt", "chosen": the right answer, "rejected": a wrong number,
+    "answer"}, one per row of the split, the wrong number drawn with `seed`."""
+    rng = random.Random(seed + 1)
+    pairs = []
+    for row in make_synthetic_rows(split, seed):
+        wrong = rng.choice([n for n in range(NUM_VALUES) if str(n) != row["answer"]])
+        pairs.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": str(wrong),
+                      "answer": row["answer"]})
+    return pairs

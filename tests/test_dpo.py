@@ -1,13 +1,16 @@
-"""DPO losses against values worked out by hand, and each loss's known value while policy == reference."""
+"""DPO: the losses against values worked out by hand and their known value while policy == reference; then the
+step's pieces on the tiny model: pairs packed == padded, the cached reference == a live one (and a changed key
+recomputes), the start-up check catches a broken mask, 1 rank == 2 ranks, online pairs with ties."""
 
 import math
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import dpo
+from gloo import finish_gloo, free_port, init_gloo
 
 
 def sigmoid(x):
@@ -163,7 +166,119 @@ def test_bad_settings_are_one_line(kwargs, message):
         loss(settings.pop("loss_type"), settings.pop("beta"), **settings)
 
 
-def test_import_is_light():
-    """dpo.py imports torch only at its top: no transformers before main() needs it."""
-    code = "import sys, dpo; assert 'transformers' not in sys.modules and 'datasets' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=dpo.__file__.rsplit("/", 1)[0])
+# ---------------------------------------------------------------------------------------------------------------
+# The step's pieces on the built-in tiny model.
+
+def tiny_pairs(n: int = 6, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda low, high: torch.randint(5, 35, (int(torch.randint(low, high, (1,), generator=gen)),),
+                                           generator=gen).tolist()
+    return [{"prompt_ids": draw(2, 6), "chosen_ids": draw(1, 4), "rejected_ids": draw(1, 4), "index": i}
+            for i in range(n)]
+
+
+def test_online_pairs_take_best_against_worst_and_skip_ties():
+    args = dpo.Args(group_size=3)
+    scores = [0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.2, 0.0, 0.9]  # three prompts; the second one's group ties
+    samples = [{"prompt_ids": [p], "response_ids": [10 + i], "score": s} for i, s in enumerate(scores)
+               for p in [i // 3]]
+    pairs, sums = dpo.make_online_pairs(samples, args)
+    assert [(p["chosen_ids"], p["rejected_ids"]) for p in pairs] == [([11], [10]), ([18], [17])]
+    assert sums == {"groups": 3, "ties": 1, "reward_gap": pytest.approx(1.0 + 0.9)}
+
+
+def pieces_worker(rank: int, world: int, port: int, out_dir: str):
+    from common.model import load_model, shard_model, token_logprobs
+    from common.synthetic import build_tiny_tokenizer
+    init_gloo(rank, world, port)
+    cpu = torch.device("cpu")
+    tokenizer = build_tiny_tokenizer()
+    policy = shard_model(load_model(None, tokenizer, 0), cpu)
+    args = dpo.Args(max_tokens_per_micro_batch=24, lr=1e-2, max_len=16, sft_weight=0.0,
+                    ref_cache=os.path.join(out_dir, "cache"))
+    pairs = tiny_pairs()
+    results = {}
+    if world == 1:
+        # Packed (both responses of each pair in one row, several pairs per micro-batch) == one padded sequence each.
+        plain = load_model(None, tokenizer, 0)
+        chosen, rejected = dpo.pair_logps(policy, pairs)
+        by_hand = []
+        for p in pairs:
+            for side in ("chosen_ids", "rejected_ids"):
+                ids = torch.tensor([p["prompt_ids"] + p[side]])
+                lp, _ = token_logprobs(plain, ids, torch.ones_like(ids), 1.0)
+                by_hand.append(lp[0, -len(p[side]):].sum().item())
+        results["packed"] = (torch.stack([chosen, rejected], 1).flatten().tolist(), by_hand)
+        # The cache == a live frozen reference; the same rows again come from the cache; other rows, another key.
+        class Quiet:
+            def print(self, message):
+                results.setdefault("notes", []).append(message)
+        cached = dpo.cached_reference_logps(policy, pairs, list(range(6)), args, rank, world, cpu, Quiet())
+        live = dpo.reference_logps(shard_model(load_model(None, tokenizer, 0), cpu), pairs, args, rank, world, cpu)
+        results["cache"] = ([cached[i] for i in range(6)], live)
+        dpo.cached_reference_logps(policy, pairs, list(range(6)), args, rank, world, cpu, Quiet())
+        dpo.cached_reference_logps(policy, tiny_pairs(seed=1), list(range(6)), args, rank, world, cpu, Quiet())
+        results["cache_files"] = sorted(os.listdir(args.ref_cache))
+        # The start-up check: passes while the policy is the reference, fails when the policy's log-probs are taken
+        # one token off (a broken response mask: the last prompt token scored as if it were the response's).
+        for p, (c, r) in zip(pairs, live):
+            p["ref_chosen"], p["ref_rejected"] = c, r
+        sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), pairs, args, world, cpu)
+        dpo.check_start(sums, args)
+        shifted = [{**p, "prompt_ids": p["prompt_ids"][:-1], "chosen_ids": p["prompt_ids"][-1:] + p["chosen_ids"],
+                    "rejected_ids": p["prompt_ids"][-1:] + p["rejected_ids"]} for p in pairs]
+        sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), shifted, args, world, cpu)
+        try:
+            dpo.check_start(sums, args)
+            results["broken_check"] = None
+        except ValueError as e:
+            results["broken_check"] = str(e)
+    # One step (SGD: linear in the gradient) on every pair, dealt out over `world` ranks.
+    mine = pairs[rank::world]
+    for p in mine:
+        p["ref_chosen"], p["ref_rejected"] = -3.0, -3.5
+    sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=args.lr), mine, args, world, cpu)
+    results["weights"] = {n: p.full_tensor().clone() for n, p in policy.named_parameters()}
+    results["loss"] = sum_over(sums["loss"], cpu)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, f"world{world}.pt"))
+    finish_gloo()
+
+
+def sum_over(value: float, device) -> float:
+    from common.distributed import all_reduce_sum
+    return all_reduce_sum([value], device)[0]
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo_pieces")
+    for world in (1, 2):
+        mp.spawn(pieces_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    return torch.load(out / "world1.pt"), torch.load(out / "world2.pt")
+
+
+def test_pairs_packed_equal_padded(pieces):
+    packed, by_hand = pieces[0]["packed"]
+    assert packed == pytest.approx(by_hand, abs=1e-5)
+
+
+def test_cached_reference_equals_a_live_one_and_a_new_key_recomputes(pieces):
+    cached, live = pieces[0]["cache"]
+    assert cached == [pytest.approx(pair, abs=1e-6) for pair in live]
+    notes = pieces[0]["notes"]
+    assert notes[0].endswith("0 from " + notes[0].split(" from ")[1].split(",")[0] + ", 6 computed")
+    assert ": 6 from " in notes[1] and notes[1].endswith(", 0 computed")  # the same rows: all from the cache
+    assert notes[2].endswith(", 6 computed") and len(pieces[0]["cache_files"]) == 2  # other rows: another key
+
+
+def test_start_check_catches_a_broken_mask(pieces):
+    message = pieces[0]["broken_check"]
+    assert message is not None and "the sigmoid loss must be 0.6931 and the implicit rewards 0" in message
+
+
+def test_two_ranks_step_as_one(pieces):
+    one, two = pieces
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for name, weight in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], weight, rtol=1e-4, atol=1e-6)

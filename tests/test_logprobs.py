@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from common.batching import pack_sequences, plan_micro_batches, restore_order
-from common.logprobs import chunked_token_logprobs, packed_token_logprobs
+from common.logprobs import chunked_token_logprobs, packed_token_logprobs, use_packed_attention
 from common.model import token_logprobs
 from test_batching import random_seqs, tiny_model
 
@@ -21,11 +21,16 @@ def padded_reference(model, seqs, device=torch.device("cpu")) -> list[torch.Tens
     return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "nanorl_varlen"])
 def test_packed_logprobs_equal_padded_in_original_order(attn):
-    model = tiny_model(attn).eval()
+    """transformers' attentions read the packing from position ids; ours (on CPU: sdpa per length) from cu_seqlens."""
+    model = tiny_model("sdpa").eval()
     seqs = random_seqs(9)
     expected = padded_reference(model, seqs)
+    if attn == "nanorl_varlen":
+        use_packed_attention(model, torch.device("cpu"))
+    else:
+        model.set_attn_implementation(attn)
     # A small budget reorders and splits the samples; results must land back on their own samples.
     plan = plan_micro_batches([len(s) for s in seqs], max_tokens=40)
     assert len(plan) > 1 and [i for mb in plan for i in mb] != list(range(len(seqs)))
@@ -39,9 +44,12 @@ def test_packed_logprobs_equal_padded_in_original_order(attn):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_packing_does_not_leak_across_sequences():
+@pytest.mark.parametrize("packed_attention", [False, True])
+def test_packing_does_not_leak_across_sequences(packed_attention):
     # The same sequence scores the same alone or after another one: attention stops at the boundary.
     model = tiny_model().eval()
+    if packed_attention:
+        use_packed_attention(model, torch.device("cpu"))
     a, b = random_seqs(2, seed=3)
     with torch.no_grad():
         alone, _ = packed_token_logprobs(model, pack_sequences([b]), 1.0)

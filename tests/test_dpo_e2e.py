@@ -1,0 +1,85 @@
+"""dpo.py end to end on 2 gloo ranks: offline and online defaults learn the built-in task, a killed run resumes
+exactly, and a real HH-RLHF-format file trains through the implicit-prompt path."""
+
+import math
+import re
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from test_grpo_e2e import assert_one_line_error, metric_rows, torchrun
+
+
+def dpo(args, tmp_path, **kwargs):
+    return torchrun(args, tmp_path, script="dpo.py", **kwargs)
+
+
+def accuracies(output: str) -> dict[str, tuple[float, float]]:
+    return {kind: (float(before), float(after)) for kind, before, after in
+            re.findall(r"held-out (preference|greedy task) accuracy: ([\d.]+) before training -> ([\d.]+)", output)}
+
+
+def test_offline_default_learns_the_builtin_task(tmp_path):
+    """`torchrun --nproc_per_node 2 dpo.py`: held-out preference accuracy at least 0.9, and greedy task accuracy up
+    by at least 0.3."""
+    result = dpo([], tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    found = accuracies(output)
+    assert found["preference"][1] >= 0.9, found
+    assert found["greedy task"][1] - found["greedy task"][0] >= 0.3, found
+    [run] = (tmp_path / "runs").glob("dpo_builtin_s1_*")
+    first = next(row for row in metric_rows(run) if row["step"] == 1)
+    assert abs(first["loss/preference"] - math.log(2)) < 1e-6 and abs(first["rewards/margin"]) < 1e-6
+
+
+def test_online_default_learns_the_builtin_task(tmp_path):
+    """`torchrun --nproc_per_node 2 dpo.py --online`: greedy task accuracy at least 0.8."""
+    result = dpo(["--online"], tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert accuracies(output)["greedy task"][1] >= 0.8, accuracies(output)
+
+
+RESUMABLE = ["--steps", "8", "--pairs-per-step", "16", "--eval-size", "32", "--eval-every", "4",
+             "--save-state-every", "2", "--keep-checkpoints", "0"]
+
+
+def test_killed_run_resumes_exactly(tmp_path):
+    """Killed after step 3's state: resumed from it, equal to an uninterrupted run metric for metric and weight
+    for weight; online too, with the reference refreshed every 2 steps (saved with the state)."""
+    for extra in ([], ["--online", "--prompts-per-step", "8", "--ref-update-every", "2"]):
+        whole, killed = tmp_path / f"whole{len(extra)}", tmp_path / f"killed{len(extra)}"
+        assert dpo([*RESUMABLE, *extra, "--output-dir", str(whole)], tmp_path).returncode == 0
+        crashed = dpo([*RESUMABLE, *extra, "--output-dir", str(killed)], tmp_path, env={"NANORL_TEST_CRASH":
+                                                                                        "after_state:4"})
+        assert crashed.returncode != 0
+        result = dpo([*RESUMABLE, *extra, "--output-dir", str(killed)], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"resumed from {killed / 'state_000004'} at step 4" in result.stdout + result.stderr
+        got, expected = metric_rows(killed), metric_rows(whole)
+        assert [r["step"] for r in got] == [r["step"] for r in expected] and got == expected
+        a = AutoModelForCausalLM.from_pretrained(whole / "hf_step_8").state_dict()
+        b = AutoModelForCausalLM.from_pretrained(killed / "hf_step_8").state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+HH_LINES = [  # the tiny model's word-level tokenizer knows the numbers 0-29, and reads other words as <unk>
+    {"chosen": "\n\nHuman: one plus one\n\nAssistant: 2", "rejected": "\n\nHuman: one plus one\n\nAssistant: 3"},
+    {"chosen": "\n\nHuman: two plus two\n\nAssistant: 4", "rejected": "\n\nHuman: two plus two\n\nAssistant: 1"},
+]
+
+
+def test_whole_dialogue_pairs_train_and_bad_columns_are_one_line(tmp_path):
+    """Pairs given as whole dialogues (HH-RLHF's format, gzipped JSON lines): the prompt is their common start."""
+    import gzip
+    import json
+    lines = [HH_LINES[i % 2] for i in range(40)]
+    (tmp_path / "pairs.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode()))
+    result = dpo(["--dataset", "pairs.jsonl.gz", "--max-len", "64", "--pairs-per-step", "8", "--steps", "3",
+                  "--eval-every", "0", "--output-dir", str(tmp_path / "run")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "36 train / 4 eval pairs" in result.stdout + result.stderr
+    result = dpo(["--dataset", "pairs.jsonl.gz", "--chosen-key", "better", "--output-dir", str(tmp_path / "r2")],
+                 tmp_path)
+    assert_one_line_error(result, "missing column(s) ['better']; existing columns: ['chosen', 'rejected']")
