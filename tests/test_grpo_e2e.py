@@ -76,7 +76,7 @@ def test_bad_flags_are_one_line_once(tmp_path):
     """Through torchrun, which stops the other ranks as soon as one fails: the reporting rank still gets to say it."""
     result = real_torchrun(["--lrr", "1e-3"], tmp_path)
     assert_one_line_error(result, "Unrecognized options: --lrr, 1e-3 (did you mean --lr?)")
-    assert_one_line_error(real_torchrun(["--lr", "-1e-3", "--output-dir", "x"], tmp_path), "--lr must be greater than 0")
+    assert_one_line_error(torchrun(["--lr", "-1e-3", "--output-dir", "x"], tmp_path), "--lr must be greater than 0")
 
 
 def test_missing_dataset_file_is_a_clear_error(tmp_path):

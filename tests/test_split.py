@@ -176,15 +176,15 @@ def test_split_placement_syncs_exact_weights(tmp_path):
 
 def test_async_split_learns_the_builtin_task(tmp_path, builtin_sync_run):
     """1 rollout rank generating one step ahead of 2 trainers: every batch after the first is one update old, the
-    correction is logged, and the held-out accuracy the synchronous run ends with (200 steps, the README's first
-    command) is reached within 1.5x its steps."""
+    correction is logged, and the held-out accuracy the synchronous run (the README's first command) has at step
+    100 is reached within 1.5x its steps."""
     sync_result, sync_out = builtin_sync_run
     assert sync_result.returncode == 0, failure(sync_result)
     sync_evals = {r["step"]: r["eval/accuracy"] for r in read_metrics(sync_out / "metrics.jsonl")
                   if "eval/accuracy" in r}
-    target = sync_evals[200]
+    target = sync_evals[100]
     out = tmp_path / "run"
-    result = torchrun(["--rollout-ranks", "1", "--async-rollout", "--steps", "300", "--output-dir", str(out)],
+    result = torchrun(["--rollout-ranks", "1", "--async-rollout", "--steps", "150", "--output-dir", str(out)],
                       tmp_path, nproc=3, timeout=600)
     assert result.returncode == 0, failure(result)
     match = re.search(r"held-out greedy accuracy: ([\d.]+) before training -> ([\d.]+) after",
@@ -193,9 +193,9 @@ def test_async_split_learns_the_builtin_task(tmp_path, builtin_sync_run):
     assert before < 0.2 and after >= 0.8, (before, after)
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["eval/version"]: r["eval/accuracy"] for r in rows if "eval/version" in r}  # by the weights' version
-    assert sorted(evals) == list(range(0, 301, 25))
+    assert sorted(evals) == [*range(0, 151, 25)]
     reached = [version for version, accuracy in sorted(evals.items()) if accuracy >= target]
-    assert reached and reached[0] <= 300, (target, sync_evals, evals)
+    assert reached and reached[0] <= 150, (target, sync_evals, evals)
     steps = [r for r in rows if "reward/mean" in r]
     assert steps[0]["rollout/staleness_mean"] == 0 and steps[0]["rollout/logprob_diff"] < 1e-5
     assert all(r["rollout/staleness_mean"] == 1 and r["rollout/staleness_max"] == 1 for r in steps[1:])
