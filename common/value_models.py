@@ -38,11 +38,23 @@ def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: in
         config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1})
         critic = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
         critic.base_model.load_state_dict(policy.base_model.state_dict())
-        return critic
-    try:
-        return AutoModelForTokenClassification.from_pretrained(source, num_labels=1, dtype=torch.float32)
-    except ValueError as e:  # an architecture without a token-classification class
-        raise ValueError(f"cannot build a critic from {source}: {' '.join(str(e).split())[:200]}") from e
+    else:
+        try:
+            critic = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, dtype=torch.float32)
+        except ValueError as e:  # an architecture without a token-classification class
+            raise ValueError(f"cannot build a critic from {source}: {' '.join(str(e).split())[:200]}") from e
+    # A new head starts at zero: every value 0, so the first advantages are the rewards themselves, not the noise of
+    # a random projection of hidden states (whose norms in a real model make that noise as large as the rewards).
+    # A reward model's score head is kept: it already scores responses (it has no bias: that one starts at 0).
+    from_reward_model = critic_model is not None and any(
+        a.endswith("ForSequenceClassification") for a in getattr(AutoConfig.from_pretrained(critic_model),
+                                                                 "architectures", None) or [])
+    with torch.no_grad():
+        if not from_reward_model:
+            critic.score.weight.zero_()
+        if critic.score.bias is not None:
+            critic.score.bias.zero_()
+    return critic
 
 
 def _policy_config(model: str | None, tokenizer):

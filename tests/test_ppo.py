@@ -347,3 +347,20 @@ def test_bad_critic_and_reward_models_are_one_line(tmp_path):
         load_reward_model(str(tmp_path / "causal"))
     critic = load_critic(None, str(tmp_path / "causal"), AutoTokenizer.from_pretrained(tmp_path / "causal"), 0)
     assert critic.score.out_features == 1  # a causal LM is a fine critic: its body, a fresh value head
+
+
+def test_a_new_value_head_starts_at_zero_and_a_reward_models_is_kept(tmp_path):
+    """A fresh head (from the policy or a causal LM) gives every value 0, so the first advantages are the rewards;
+    a sequence-classification reward model's score head becomes the value head as it is."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.value_models import load_critic
+    policy, critic, tokenizer = tiny_models()
+    assert torch.count_nonzero(critic.score.weight) == 0 and torch.count_nonzero(critic.score.bias) == 0
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_config(policy.config.__class__.from_dict(
+        {**policy.config.to_dict(), "num_labels": 1}))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    from_rm = load_critic(None, str(tmp_path / "rm"), tokenizer, 0)
+    assert torch.equal(from_rm.score.weight, rm.score.weight) and torch.count_nonzero(from_rm.score.bias) == 0
