@@ -64,12 +64,17 @@ def _read_hub(dataset: str, config: str | None, split: str | None):
         ) from error
 
 
-def _rows_from_table(table, prompt_key: str, answer_key: str, source: str) -> list[dict]:
-    missing = [key for key in (prompt_key, answer_key) if key not in table.column_names]
+def check_table(table, columns: list[str], source: str) -> None:
+    """One line for a table that lacks a needed column (naming those it has) or has no rows."""
+    missing = [key for key in columns if key not in table.column_names]
     if missing:
         raise ValueError(f"{source}: missing column(s) {missing}; existing columns: {table.column_names}")
     if len(table) == 0:
         raise ValueError(f"{source}: dataset is empty (0 rows)")
+
+
+def _rows_from_table(table, prompt_key: str, answer_key: str, source: str) -> list[dict]:
+    check_table(table, [prompt_key, answer_key], source)
     try:  # Arrow keeps the raw bytes: text is decoded only here
         prompts, answers = list(table[prompt_key]), list(table[answer_key])
     except UnicodeDecodeError as error:

@@ -79,6 +79,22 @@ def _packed_forward(self, input_ids, position_ids, target_index, targets, attent
                                   with_entropy)
 
 
+def attach_forward_method(model, name: str, function, packed: dict) -> tuple[torch.device, dict]:
+    """Attaches `function` as the method `name` of `model`, run as a forward of the root module, so that FSDP2
+    gathers the root's weights (a direct call of model.base_model would skip its pre-forward hook); re-attached on
+    every call, since registering wraps whatever is there and the model may have been sharded since. Returns the
+    model's device and the attention arguments of the packed row (its sequence boundaries, for the varlen path)."""
+    setattr(model, name, types.MethodType(function, model))
+    register_fsdp_forward_method(model, name)
+    device = model.get_input_embeddings().weight.device
+    attention_kwargs = {}
+    if model.config._attn_implementation == VARLEN_ATTENTION:
+        cu_seqlens = packed["cu_seqlens"].to(device)
+        attention_kwargs = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                max_length_q=packed["max_seqlen"], max_length_k=packed["max_seqlen"])
+    return device, attention_kwargs
+
+
 def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens: int = 2048,
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [scored] of a packed micro-batch's scored tokens under `model` (an HF causal LM, FSDP2-sharded or
@@ -92,15 +108,7 @@ def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens:
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("packed_token_logprobs handles a plain bias-free LM head only")
-    # Re-attached on every call: registering wraps whatever is there, and the model may have been sharded since.
-    model.packed_forward = types.MethodType(_packed_forward, model)
-    register_fsdp_forward_method(model, "packed_forward")
-    device = model.get_input_embeddings().weight.device
-    attention_kwargs = {}
-    if model.config._attn_implementation == VARLEN_ATTENTION:
-        cu_seqlens = packed["cu_seqlens"].to(device)
-        attention_kwargs = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                                max_length_q=packed["max_seqlen"], max_length_k=packed["max_seqlen"])
+    device, attention_kwargs = attach_forward_method(model, "packed_forward", _packed_forward, packed)
     return model.packed_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
                                 packed["target_index"].to(device), packed["targets"].to(device), attention_kwargs,
                                 temperature, chunk_tokens, with_entropy)

@@ -10,7 +10,7 @@ the prompt's, and each response's alone (without the prompt), ending in a stop t
 
 import os
 
-from common.data import _first_line, _is_local_file, _read_hub, _read_local_file
+from common.data import _first_line, _is_local_file, _read_hub, _read_local_file, check_table
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
 ASSISTANT_MARKER = "\n\nAssistant:"
@@ -40,12 +40,7 @@ def load_pairs(
     columns = table.column_names
     explicit = prompt_key in columns
     # A prompt column the user named must exist; only the default name may be absent (then the prompt is implicit).
-    needed = [chosen_key, rejected_key] + ([prompt_key] if prompt_key != "prompt" else [])
-    missing = [key for key in needed if key not in columns]
-    if missing:
-        raise ValueError(f"{dataset}: missing column(s) {missing}; existing columns: {columns}")
-    if len(table) == 0:
-        raise ValueError(f"{dataset}: dataset is empty (0 rows)")
+    check_table(table, [chosen_key, rejected_key] + ([prompt_key] if prompt_key != "prompt" else []), dataset)
     try:  # Arrow keeps the raw bytes: text is decoded only here
         chosen, rejected = list(table[chosen_key]), list(table[rejected_key])
         prompts = list(table[prompt_key]) if explicit else [None] * len(chosen)

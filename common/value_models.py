@@ -9,13 +9,10 @@
 Both are FSDP2-sharded like the policy (common/model.py) and computed in packed token-budget micro-batches.
 """
 
-import types
-
 import torch
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from common.batching import pack_sequences, plan_equal_micro_batches
-from common.logprobs import VARLEN_ATTENTION, sample_lengths
+from common.logprobs import attach_forward_method, sample_lengths
 
 
 def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int) -> torch.nn.Module:
@@ -93,14 +90,7 @@ def _packed_scalar_forward(self, input_ids, position_ids, index, attention_kwarg
 
 def packed_scalars(model, packed: dict, index: torch.Tensor) -> torch.Tensor:
     """The scalar head's output [len(index)] at the given positions of a packed row (common/batching.py)."""
-    model.packed_scalar_forward = types.MethodType(_packed_scalar_forward, model)
-    register_fsdp_forward_method(model, "packed_scalar_forward")
-    device = model.get_input_embeddings().weight.device
-    attention_kwargs = {}
-    if model.config._attn_implementation == VARLEN_ATTENTION:
-        cu_seqlens = packed["cu_seqlens"].to(device)
-        attention_kwargs = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                                max_length_q=packed["max_seqlen"], max_length_k=packed["max_seqlen"])
+    device, attention_kwargs = attach_forward_method(model, "packed_scalar_forward", _packed_scalar_forward, packed)
     return model.packed_scalar_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
                                        index.to(device), attention_kwargs)
 
