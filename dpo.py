@@ -45,7 +45,7 @@ from common.perf import TrainingMemoryPeak, mfu, peak_flops
 from common.preferences import load_pairs, tokenize_pairs
 from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
 from common.rewards import load_reward_fn
-from common.rollouts import Rollouts, check_rollout_args, fill_rollout_defaults, serve_rollouts
+from common.rollouts import Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults, serve_rollouts
 from common.rundir import open_run_dir
 from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
 from common.split import init_placement
@@ -100,6 +100,13 @@ class Args:
     """with --online: an AutoModelForSequenceClassification checkpoint (one label) that scores each response"""
     ref_update_every: int = 0
     """with --online: copy the policy into the reference every this many steps (iterative DPO); 0: never"""
+    system_prompt: str | None = None
+    """with --online: a system message put before every prompt (without a chat template: a paragraph before it)"""
+    prompt_template: str | None = None
+    """with --online: a text holding {prompt}, which each prompt replaces before the chat template applies"""
+    skip_reward_check: bool = False
+    """with --online: do not stop when the reward scores fewer than 90% of the held-out rows' own gold answers as
+    correct (for rewards whose gold answers are not completions)"""
     reward_workers: int | None = None
     """processes per rank that run the reward function; unset: 2 with vLLM, 1 with hf"""
     reward_timeout: float | None = 30.0
@@ -197,7 +204,7 @@ class Args:
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_key", "rejected_key", "answer_key",
                    "eval_split", "eval_size", "seed", "online", "group_size", "prompts_per_step", "pairs_per_step",
-                   "max_len", "max_prompt_len", "chat_template")
+                   "max_len", "max_prompt_len", "chat_template", "system_prompt", "prompt_template")
 
 
 def check_args(args: Args, world: int) -> None:
@@ -570,9 +577,12 @@ def main():
         task_rows, eval_task_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key,
                                                     args.dataset_config, eval_split=args.eval_split,
                                                     eval_size=args.eval_size, seed=args.seed)
-        task_rows, _ = tokenize_prompts(task_rows, tokenizer, args.max_prompt_len, args.chat_template)
-        eval_task_rows, _ = tokenize_prompts(eval_task_rows, tokenizer, args.max_prompt_len, args.chat_template)
-        data_notes = f"{len(task_rows)} train / {len(eval_task_rows)} eval prompts"
+        check_reward_fits(args, eval_task_rows)  # a reward that cannot score the data's own answers stops here
+        formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
+        task_rows, _ = tokenize_prompts(task_rows, tokenizer, *formats)
+        eval_task_rows, _ = tokenize_prompts(eval_task_rows, tokenizer, *formats)
+        data_notes = (f"{len(task_rows)} train / {len(eval_task_rows)} eval prompts; the first prompt, as the model "
+                      f"sees it: {tokenizer.decode(task_rows[0]['prompt_ids'])[:400]!r}")
     else:
         rows, eval_pairs, stats = load_pair_rows(args, tokenizer, stop_ids)
         args.steps = args.steps or max(1, len(rows) // args.pairs_per_step)
@@ -681,6 +691,7 @@ def main():
             if not stats["skipped"]:
                 scheduler.step()
         sums = sum_over_ranks({**stats, **pair_sums, "tokens": sum(pair_length(p) for p in pairs),
+                               "reward": sum(s["reward"] for s in samples),
                                "response_tokens": sum(len(s["response_ids"]) for s in samples),
                                "samples": len(samples)}, device)
         if step == 1 and not resume_path:
@@ -708,7 +719,8 @@ def main():
             "policy/lr": scheduler.get_last_lr()[0]})
         if args.online:
             groups = max(sums["groups"], 1)
-            metrics.update({"pairs/tie_frac": sums["ties"] / groups, "pairs/reward_gap": sums["reward_gap"] / n,
+            metrics.update({"reward/mean": sums["reward"] / max(sums["samples"], 1),
+                            "pairs/tie_frac": sums["ties"] / groups, "pairs/reward_gap": sums["reward_gap"] / n,
                             "response/length_mean": sums["response_tokens"] / max(sums["samples"], 1)})
         bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
         step_seconds = time.perf_counter() - step_start
@@ -751,7 +763,8 @@ def main():
         shown = [k for k in ("eval/preference_accuracy", "eval/accuracy") if k in first_eval]
         logger.print("; ".join(f"held-out {'greedy task' if k == 'eval/accuracy' else 'preference'} accuracy: "
                                f"{first_eval[k]:.3f} before training -> {last_eval[k]:.3f} after {args.steps} steps"
-                               for k in shown) + f"; model saved to {os.path.join(output_dir, f'hf_step_{args.steps}')}")
+                               for k in shown)
+                     + f"; model saved to {os.path.join(output_dir, f'hf_step_{args.steps}')}")
     logger.close()
     if rollouts is not None:
         rollouts.close()

@@ -40,7 +40,8 @@ from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hype
 from common.perf import TrainingMemoryPeak, mfu, peak_flops
 from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
 from common.rewards import load_reward_fn
-from common.rollouts import Rollouts, check_rollout_args, fill_rollout_defaults, serve_rollouts, tis_metrics
+from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults, serve_rollouts,
+                             tis_metrics)
 from common.rundir import open_run_dir
 from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
 from common.split import init_placement
@@ -80,6 +81,14 @@ class Args:
     at once)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
+    system_prompt: str | None = None
+    """a system message put before every prompt (without a chat template: a paragraph before it)"""
+    prompt_template: str | None = None
+    """a text holding {prompt}, which each prompt replaces before the chat template applies; e.g. for GSM8K:
+    '{prompt}\nLet us think step by step and output the final answer after ####.'"""
+    skip_reward_check: bool = False
+    """do not stop when the reward scores fewer than 90% of the held-out rows' own gold answers as correct (for
+    rewards whose gold answers are not completions)"""
 
     # rollout
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
@@ -203,7 +212,7 @@ class Args:
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "critic_model", "reward_model", "dataset", "dataset_config", "prompt_key", "answer_key",
                    "eval_split", "eval_size", "seed", "group_size", "prompts_per_step", "max_prompt_len",
-                   "chat_template")
+                   "chat_template", "system_prompt", "prompt_template")
 
 
 def check_args(args: Args, world: int) -> None:
@@ -563,8 +572,10 @@ def main():
     tokenizer = load_tokenizer(args.model)
     train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
                                             eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
-    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, args.max_prompt_len, args.chat_template)
-    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, args.max_prompt_len, args.chat_template)
+    check_reward_fits(args, eval_rows)  # a reward that cannot score the data's own answers stops here, in one line
+    formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, *formats)
+    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, *formats)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
         return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
 
@@ -588,7 +599,8 @@ def main():
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "
-                 f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}"]:
+                 f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}",
+                 f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}"]:
         logger.print(note)
     timer = StageTimer(device)
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,

@@ -104,7 +104,8 @@ def _check_messages(messages: list, where: str) -> list[dict]:
     """A conversation as chat templates take it: {"role", "content"} dicts with a user turn among them."""
     if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                and isinstance(m.get("content"), str) for m in messages):
-        raise ValueError(f"{where}: a conversation must be a non-empty list of {{'role': ..., 'content': ...}} messages")
+        raise ValueError(f"{where}: a conversation must be a non-empty list of {{'role': ..., 'content': ...}} "
+                         f"messages")
     if not any(m["role"] == "user" for m in messages):
         raise ValueError(f"{where}: the conversation has no 'user' message")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -171,14 +172,20 @@ def load_train_eval(
 
 
 def tokenize_prompts(
-    rows: list[dict], tokenizer, max_prompt_len: int, use_chat_template: bool | None = None
+    rows: list[dict], tokenizer, max_prompt_len: int, use_chat_template: bool | None = None,
+    template: str | None = None, system_prompt: str | None = None,
 ) -> tuple[list[dict], int]:
     """Returns (copies of rows with "prompt_ids" added, number dropped for being longer than max_prompt_len).
 
-    use_chat_template None means: use the tokenizer's chat template when it has one.
+    use_chat_template None means: use the tokenizer's chat template when it has one. template: a text holding
+    "{prompt}", which the prompt (a conversation's last user message) replaces before the chat template applies;
+    system_prompt: the conversation's system message (without a chat template: a paragraph before the prompt).
+    The rows' "prompt" stays as it was: it is what the reward function sees.
     """
     if not rows:
         raise ValueError("no prompts to tokenize")
+    if template is not None and "{prompt}" not in template:
+        raise ValueError(f"--prompt-template must hold {{prompt}}, where each prompt goes: {template!r}")
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if use_chat_template is None:
         use_chat_template = has_template
@@ -188,15 +195,15 @@ def tokenize_prompts(
     if any("messages" in row for row in rows) and not use_chat_template:
         raise ValueError("the prompts are conversations (lists of messages), which need the tokenizer's chat template"
                          + ("" if has_template else f": {tokenizer.name_or_path or 'this tokenizer'} has none"))
-    prompts = [row["prompt"] for row in rows]
+    conversations = [formatted_conversation(row, template, system_prompt) for row in rows]
     if use_chat_template:
-        conversations = [row.get("messages") or [{"role": "user", "content": row["prompt"]}] for row in rows]
         # transformers 5 returns a BatchEncoding by default; return_dict=False gives plain lists of ids.
         all_ids = tokenizer.apply_chat_template(
             conversations, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    else:
-        all_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    else:  # one user message, maybe after a system message: plain text
+        texts = ["\n\n".join(m["content"] for m in conversation) for conversation in conversations]
+        all_ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
     kept = [{**row, "prompt_ids": list(ids)} for row, ids in zip(rows, all_ids) if len(ids) <= max_prompt_len]
     if not kept:
         lengths = [len(ids) for ids in all_ids]
@@ -205,6 +212,18 @@ def tokenize_prompts(
             f"(shortest {min(lengths)}, longest {max(lengths)})"
         )
     return kept, len(rows) - len(kept)
+
+
+def formatted_conversation(row: dict, template: str | None, system_prompt: str | None) -> list[dict]:
+    """The row's prompt as messages: its conversation (or one user message), the last user message put into the
+    template, a system message first (replacing the conversation's own)."""
+    messages = [dict(m) for m in row.get("messages") or [{"role": "user", "content": row["prompt"]}]]
+    if template is not None:
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last_user]["content"] = template.replace("{prompt}", messages[last_user]["content"])
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [m for m in messages if m["role"] != "system"]
+    return messages
 
 
 class PromptSampler:

@@ -33,7 +33,8 @@ from common import errors, signals
 
 RewardFn = Callable[[str, str, str], float]
 BUILTIN_REWARDS = ("gsm8k", "math", "synthetic", "none")
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # "1,234.5", "-3", "72"
+# "1,234.5", "-3", "72", ".5", "1/2" (after _plain_numbers)
+NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+(?:\.\d+)?)?")
 
 
 @errors.user_error
@@ -53,18 +54,40 @@ def _equivalent(gold: str, prediction: str, config: list) -> bool:
     return verify(gold_parsed, prediction_parsed, timeout_seconds=timeout)
 
 
+def _plain_numbers(text: str) -> str:
+    """Numbers as NUMBER reads them: a Unicode minus or dash as "-", "1 000" (spaces, thin or no-break, between
+    groups of three) as "1000", "1 / 2" as "1/2"."""
+    text = text.replace("\u2212", "-").replace("\u2013", "-")
+    text = re.sub(r"(?<=\d)[ \u00a0\u2009\u202f](?=\d{3}(?!\d))", "", text)
+    return re.sub(r"(?<=\d)\s*/\s*(?=\d)", "/", text)
+
+
+def _after_hashes(text: str) -> str:
+    """What follows the last '####', a sign set apart from its number ("#### - 3") joined to it."""
+    return re.sub(r"^\s*-\s+(?=[\d.])", "-", _plain_numbers(text.rsplit("####", 1)[-1]))
+
+
+def _number(found: str) -> str:
+    """A NUMBER match as math-verify reads it: no thousands commas, a leading 0 before a bare decimal point."""
+    found = found.replace(",", "")
+    return re.sub(r"^(-?)\.", r"\g<1>0.", found)
+
+
 def _gsm8k_prediction(completion: str) -> str | None:
     """The first number after the last '####', else the last number in the completion."""
     if "####" in completion:
-        found = NUMBER.findall(completion.rsplit("####", 1)[1])[:1]  # ignore whatever the model says next
+        found = NUMBER.findall(_after_hashes(completion))[:1]  # ignore whatever the model says next
     else:
-        found = NUMBER.findall(completion)[-1:]
-    return found[0].replace(",", "") if found else None
+        found = NUMBER.findall(_plain_numbers(completion))[-1:]
+    return _number(found[0]) if found else None
 
 
 def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
-    """1.0 if the completion's final number equals the number after '####' in the reference."""
-    gold = answer.rsplit("####", 1)[-1].replace(",", "").strip()
+    """1.0 if the completion's final number equals the number after '####' in the reference (fractions and
+    decimals compare by value: 1/2 == 0.5 == .5)."""
+    gold = _after_hashes(answer).strip()
+    found = NUMBER.findall(gold)[:1]
+    gold = _number(found[0]) if found else gold.replace(",", "")
     prediction = _gsm8k_prediction(completion)
     if prediction is None:
         return 0.0
@@ -73,29 +96,45 @@ def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} in text (braces matched), or None if there is none."""
-    start = text.rfind("\\boxed{")
+    """Content of the last \\boxed{...} (or \\fbox{...}) in text (braces matched), or None if there is none."""
+    start, command = max((text.rfind(c + "{"), c) for c in ("\\boxed", "\\fbox"))
     if start < 0:
         return None
     depth = 0
-    for i in range(start + len("\\boxed"), len(text)):
+    for i in range(start + len(command), len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[start + len("\\boxed{") : i]
+            return text[start + len(command) + 1 : i]
     return None  # unclosed: the completion was cut off mid-answer
 
 
-def math_reward(prompt: str, completion: str, answer: str) -> float:
-    """1.0 if the completion's last \\boxed{} is equivalent to the reference answer.
+ANSWER_IS = re.compile(r"answer is:?\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 
-    The reference is either a full solution (its last \\boxed{} is the answer) or a bare answer.
-    """
-    gold = last_boxed(answer)
-    gold = answer if gold is None else gold
-    prediction = last_boxed(completion)
+
+def final_answer(text: str) -> str | None:
+    """The answer a MATH-style solution states: its last \\boxed{} (or \\fbox{}); else what follows a "# Answer"
+    heading (PRM800K's format); else what follows the last "The answer is". A trailing period and the $...$ around
+    it go."""
+    answer = last_boxed(text)
+    if answer is None and (heading := re.search(r"^#+ Answer\s*\n+\s*(.+)", text, re.MULTILINE)):
+        answer = heading.group(1)
+    if answer is None and (stated := ANSWER_IS.findall(text)):
+        answer = stated[-1]
+    if answer is None:
+        return None
+    answer = answer.strip().rstrip(".").strip()
+    return answer[1:-1].strip() if len(answer) > 1 and answer[0] == answer[-1] == "$" else answer
+
+
+def math_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer (final_answer: \\boxed{}, a "# Answer" heading, "The answer is") is
+    equivalent to the reference answer, a full solution (its final answer counts) or a bare answer."""
+    gold = final_answer(answer)
+    gold = answer.strip() if gold is None else gold
+    prediction = final_answer(completion)
     if prediction is None:
         return 0.0
-    # We cut the boxed content out ourselves: with several boxes math-verify may read them as a set.
+    # We cut the answer out ourselves: with several boxes math-verify may read them as a set.
     from math_verify import LatexExtractionConfig
     config = [LatexExtractionConfig(boxed_match_priority=0)]
     return float(_equivalent(f"$\\boxed{{{gold}}}$", f"$\\boxed{{{prediction}}}$", config))

@@ -19,7 +19,7 @@ def reward(prompt, completion, answer):
 PY
 model=/tmp/qwen0.5b_$mode  # one per mode: modes may run side by side on one machine
 [ "$mode" = 7b ] || python3 scripts/random_model.py --shape 0.5b --out $model || exit 1
-GRPO="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 20 --eval-every 10
+GRPO="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
 
 run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
@@ -59,7 +59,7 @@ elif [ "$mode" = 7b ]; then
   nvidia-smi -i "$g" --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 \
     > "$out/${name}_memory.csv" & smi=$!
   run $name 540 $g torchrun --standalone --nproc_per_node "$n" grpo.py --model /tmp/qwen7b \
-    --reward-fn /tmp/hash_reward_$mode.py:reward --lr 1e-4 --steps 10 --eval-every 0 --eval-size 32 \
+    --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 10 --eval-every 0 --eval-size 32 \
     --max-response-len 128 --prompts-per-step 32 --group-size 8 --check-weight-sync --rollout-engine vllm \
     --rollout-eager --rollout-tp "$tp" --resume none --overwrite --output-dir "${SCRATCH:-/tmp}/$name"
   kill $smi; rm -rf "${SCRATCH:-/tmp}/$name"  # the 7B training state is about 90 GB

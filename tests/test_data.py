@@ -291,3 +291,17 @@ def test_non_utf8_file_is_one_short_error(tmp_path):
     with pytest.raises(ValueError, match="latin1.jsonl") as error:
         load_rows(str(path), "train", "question", "answer")
     assert "\n" not in str(error.value)
+
+
+def test_prompt_template_and_system_prompt():
+    """The template takes the prompt (the reward still sees it bare); the system prompt comes first: as a system
+    message through the chat template, as a paragraph without one."""
+    rows = [{"prompt": "one plus two", "answer": "3"}]
+    tokenizer = make_tokenizer()
+    plain, _ = tokenize_prompts(rows, tokenizer, 100, template="a {prompt} b", system_prompt="c")
+    assert tokenizer.decode(plain[0]["prompt_ids"]) == "[BOS] c a one plus two b" and plain[0]["prompt"] == "one plus two"
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    chat, _ = tokenize_prompts(rows, tokenizer, 100, template="a {prompt} b", system_prompt="c")
+    assert tokenizer.decode(chat[0]["prompt_ids"]) == "[UNK] : c user : a one plus two b"
+    with pytest.raises(ValueError, match="--prompt-template must hold {prompt}"):
+        tokenize_prompts(rows, tokenizer, 100, template="no place for it")

@@ -141,7 +141,7 @@ def test_export_loads_back_as_it_trained(builtin_sync_run):
 HASH_REWARD = "import zlib\ndef reward(prompt, completion, answer):\n    return zlib.crc32(completion.encode()) % 3 / 2\n"
 RESUMABLE = ["--steps", "12", "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "16", "--eval-every", "3",
              "--save-state-every", "2", "--keep-checkpoints", "0", "--num-mini-batches", "2", "--epochs", "2",
-             "--reward-fn", "hash_reward.py:reward"]
+             "--reward-fn", "hash_reward.py:reward", "--skip-reward-check"]
 
 
 def launch(args: list[str], cwd, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:
@@ -324,7 +324,7 @@ def test_run_names_follow_the_command(tmp_path):
     applied (and said), a changed group size refused; --resume none needs --overwrite where a run is."""
     (tmp_path / "hash_reward.py").write_text(HASH_REWARD)
     base = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8", "--eval-every", "0",
-            "--reward-fn", "hash_reward.py:reward", "--warmup-steps", "1"]
+            "--reward-fn", "hash_reward.py:reward", "--warmup-steps", "1", "--skip-reward-check"]
     first = torchrun([*base, "--steps", "1"], tmp_path, nproc=1)
     assert first.returncode == 0, first.stderr[-3000:]
     [run] = (tmp_path / "runs").iterdir()

@@ -25,7 +25,7 @@ def test_default_run_learns_the_builtin_task(tmp_path):
 
 RESUMABLE = ["--steps", "8", "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "16", "--eval-every", "4",
              "--save-state-every", "2", "--keep-checkpoints", "0", "--num-mini-batches", "2", "--epochs", "2",
-             "--reward-fn", "hash_reward.py:reward", "--critic-warmup-steps", "3", "--missing-eos-penalty", "0.1"]
+             "--reward-fn", "hash_reward.py:reward", "--skip-reward-check", "--critic-warmup-steps", "3", "--missing-eos-penalty", "0.1"]
 
 
 def test_killed_run_resumes_exactly(tmp_path):

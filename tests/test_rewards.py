@@ -300,3 +300,54 @@ def test_reward_processes_exit_with_their_rank(scorer_reward):
     while any(alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids)
+
+
+# Answers that scored wrongly before (each with the right value): GSM8K-style numbers written other ways, and
+# MATH-style final answers not in \boxed{}.
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("#### 1/2", "#### 1/2", 1.0),  # a fraction, read as one number
+    ("#### 0.5", "#### 1/2", 1.0),
+    ("#### .5", "#### 0.5", 1.0),  # no leading zero
+    ("#### \u22123", "#### -3", 1.0),  # a Unicode minus
+    ("#### - 3", "#### -3", 1.0),  # the sign set apart
+    ("#### 1 000", "#### 1000", 1.0),  # a space between groups of three
+    ("#### 2/3", "#### 1/2", 0.0),
+    ("It is 5 - 3", "#### 3", 1.0),  # a minus between numbers stays one: the last number is 3
+])
+def test_gsm8k_numbers_written_other_ways(completion, answer, expected):
+    assert gsm8k_reward("q", completion, answer) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("The sum is 72.\n\n# Answer\n\n72", "72", 1.0),  # PRM800K's format
+    ("So the answer is 72.", "72", 1.0),  # stated, not boxed
+    ("The answer is $\\frac{1}{2}$.", "\\frac12", 1.0),
+    ("\\boxed{72.}", "72", 1.0),  # a period inside the box
+    ("\\fbox{72}", "72", 1.0),
+    ("So the answer is 71.", "72", 0.0),
+    ("\\boxed{7}, no: \\fbox{72}", "72", 1.0),  # the last one counts
+])
+def test_math_final_answers_not_in_boxed(completion, answer, expected):
+    assert math_reward("q", completion, answer) == expected
+
+
+def test_a_reward_that_does_not_fit_the_data_stops_the_run():
+    """The data's own gold answers, scored as completions: GSM8K rows fail the math reward (no \\boxed{}) and the
+    one line names the reward that fits; the built-in task's rows pass its synthetic reward."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from common import distributed
+    from common.rollouts import check_reward_fits
+    distributed.use_store(dist.HashStore(), 0)
+    try:
+        rows = [{"prompt": f"q{i}", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(10)]
+        args = SimpleNamespace(reward_fn="math", reward_timeout=30.0, skip_reward_check=False)
+        with pytest.raises(ValueError, match=r"--reward-fn math scores 0 of 10 held-out gold answers as correct.*"
+                                             r"--reward-fn gsm8k scores 10"):
+            check_reward_fits(args, rows)
+        check_reward_fits(SimpleNamespace(**{**vars(args), "skip_reward_check": True}), rows)
+        check_reward_fits(SimpleNamespace(**{**vars(args), "reward_fn": "gsm8k"}), rows)
+    finally:
+        distributed.use_store(None, 0)
