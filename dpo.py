@@ -538,8 +538,8 @@ def check_start(sums: dict, args: Args) -> None:
     n = max(sums["pairs"], 1)
     loss, rewards = sums["loss"] / n, (abs(sums["reward_chosen"]) + abs(sums["reward_rejected"])) / n
     if abs(loss - expected) > 2e-3 * max(1.0, expected) or rewards > 0.05 * args.beta:
-        raise ValueError(f"start-up check: at step 1 the policy equals the reference, so the {args.loss_type} loss "
-                         f"must be {expected:.4f} and the implicit rewards 0, but they are {loss:.4f} and "
+        raise ValueError(f"start-up check: at the first step the policy equals the reference, so the "
+                         f"{args.loss_type} loss must be {expected:.4f} and the implicit rewards 0, but they are {loss:.4f} and "
                          f"{rewards:.3g} on average (a masking, packing, precision or prompt-boundary bug; "
                          f"--skip-start-check runs anyway)")
 
@@ -657,7 +657,7 @@ def main():
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
     timer.pop()
 
-    stop = False
+    stop, start_checked = False, resume_path is not None  # (online, a step whose groups all tie has no pairs)
     for step in range(start_step + 1, args.steps + 1):
         step_start = time.perf_counter()
         metrics = {}
@@ -694,8 +694,9 @@ def main():
                                "reward": sum(s["reward"] for s in samples),
                                "response_tokens": sum(len(s["response_ids"]) for s in samples),
                                "samples": len(samples)}, device)
-        if step == 1 and not resume_path:
-            check_start(sums, args)  # the policy was the reference for this step's loss
+        if not start_checked and sums["pairs"]:  # the first step with pairs: its loss was at policy == reference
+            check_start(sums, args)
+            start_checked = True
         if args.online and args.ref_update_every and step % args.ref_update_every == 0:
             with timer("reference"):  # iterative DPO: the reference moves up to the current policy
                 reference.load_state_dict(policy.state_dict())

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The real-model recipes: SmolLM2-135M-Instruct (../shared/models/README.md makes it) on the data in ../shared/data,
+# one GPU each. benchmarks/README.md records what each gave.
+#
+#   bash scripts/smollm2_runs.sh RECIPE OUT [extra flags for the script]
+#
+#   grpo-addition      grpo.py, 32 prompts x 8, lr 1e-5, 30 steps               (held-out greedy accuracy)
+#   grpo-gsm8k         grpo.py on GSM8K with a prompt template asking for "#### N"
+#   ppo-addition       ppo.py, 64 prompts x 4 (256 responses a step), lr 1e-5, 60 steps
+#   dpo-online         dpo.py --online, 32 prompts x 8, best against worst, lr 3e-6, --sft-weight 1, 60 steps
+#   dpo-hh             dpo.py on HH-RLHF harmlessness: the first 2,000 pairs, the last 312 held out, one epoch
+#   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
+#   vs-trl-dpo         scripts/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
+#
+# MODEL (default /tmp/smollm2) and DATA (default ../shared/data) say where the model and the data are; PORT
+# (default 29500) is torchrun's port, to run two recipes at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+recipe=${1:?recipe}; out=${2:?output directory}; shift 2
+model=${MODEL:-/tmp/smollm2}; data=${DATA:-../shared/data}
+addition=(--model "$model" --dataset "$data/addition/train.jsonl" --prompt-key question --answer-key answer
+          --reward-fn gsm8k --eval-size 128 --max-response-len 512 --eval-every 10 --output-dir "$out")
+gsm8k_template="{prompt}
+Let's think step by step and output the final answer after \"####\"."
+hh="$data/hh-rlhf/harmless-base-test.jsonl.gz"
+run=(torchrun --nproc_per_node 1 --master-port "${PORT:-29500}")
+case $recipe in
+  grpo-addition) exec "${run[@]}" grpo.py "${addition[@]}" --prompts-per-step 32 --group-size 8 \
+                   --lr 1e-5 --steps 30 --rollout-gpu-memory 0.3 "$@" ;;
+  grpo-gsm8k) exec "${run[@]}" grpo.py --model "$model" --dataset "$data/gsm8k/train.jsonl" \
+                   --prompt-key question --answer-key answer --reward-fn gsm8k --eval-size 128 \
+                   --prompt-template "$gsm8k_template" --max-response-len 512 --prompts-per-step 32 --group-size 8 \
+                   --lr 1e-5 --steps 30 --eval-every 10 --rollout-gpu-memory 0.3 --output-dir "$out" "$@" ;;
+  ppo-addition) exec "${run[@]}" ppo.py "${addition[@]}" --prompts-per-step 64 --group-size 4 \
+                   --lr 1e-5 --steps 60 --rollout-gpu-memory 0.2 "$@" ;;
+  dpo-online) exec "${run[@]}" dpo.py --online "${addition[@]}" --prompts-per-step 32 --group-size 8 \
+                   --lr 3e-6 --sft-weight 1.0 --steps 60 --rollout-gpu-memory 0.2 "$@" ;;
+  dpo-hh) exec "${run[@]}" dpo.py --model "$model" --dataset "$hh" --eval-size 312 --lr 5e-6 \
+                   --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
+  vs-trl-grpo) exec python scripts/bench_vs_trl.py grpo --model "$model" --data "$data/addition/train.jsonl" \
+                   --gpus "${GPUS:-0}" --out "$out" "$@" ;;
+  vs-trl-dpo)    exec python scripts/bench_vs_trl.py dpo --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
+                   --out "$out" "$@" ;;
+  *) echo "error: unknown recipe $recipe (see the list at the top of $0)" >&2; exit 2 ;;
+esac
