@@ -540,8 +540,8 @@ def check_start(sums: dict, args: Args) -> None:
     if abs(loss - expected) > 2e-3 * max(1.0, expected) or rewards > 0.05 * args.beta:
         raise ValueError(f"start-up check: at the first step the policy equals the reference, so the "
                          f"{args.loss_type} loss must be {expected:.4f} and the implicit rewards 0, but they are "
-                         f"{loss:.4f} and {rewards:.3g} on average (a masking, packing, precision or prompt-boundary bug; "
-                         f"--skip-start-check runs anyway)")
+                         f"{loss:.4f} and {rewards:.3g} on average (a masking, packing, precision or prompt-boundary "
+                         f"bug; --skip-start-check runs anyway)")
 
 
 def main():
