@@ -480,17 +480,20 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     return sums
 
 
-def warm_up_critic(critic, optimizer, samples: list[dict], args: Args, world: int, device) -> dict[str, float]:
+def warm_up_critic(critic, optimizer, scheduler, samples: list[dict], args: Args, world: int,
+                   device) -> dict[str, float]:
     """Before the policy first moves: the critic trains on this first batch, replayed, until its explained
     variance on it reaches --critic-warmup-ev or --critic-warmup-steps runs out. The targets move with it (the
-    returns bootstrap from its values), so values, advantages and returns are recomputed after every update."""
+    returns bootstrap from its values), so values, advantages and returns are recomputed after every update. These
+    are updates like any other: the critic's learning-rate schedule counts them (its warmup ramps over them)."""
     ev, updates = None, 0
     for updates in range(args.critic_warmup_steps + 1):
         ev = explained_variance(padded(samples, "old_values", device), padded(samples, "returns", device),
                                 padded(samples, "mask", device))
         if ev >= args.critic_warmup_ev or updates == args.critic_warmup_steps:
             break
-        update_critic(critic, optimizer, samples, args, world, device, None)
+        if update_critic(critic, optimizer, samples, args, world, device, None)["critic_steps"]:
+            scheduler.step()
         for s, values in zip(samples, compute_values(critic, samples, args.max_tokens_per_micro_batch, device)):
             s["old_values"] = values
         add_advantages(samples, args, device)
@@ -654,7 +657,8 @@ def main():
         add_advantages(samples, args, device)
         if step == 1 and args.critic_warmup_steps:  # a fresh critic learns this batch before the policy moves
             with timer("critic_warmup"):
-                metrics.update(warm_up_critic(critic, critic_optimizer, samples, args, world, device))
+                metrics.update(warm_up_critic(critic, critic_optimizer, critic_scheduler, samples, args, world,
+                                              device))
 
         # 5. Update the critic, then the policy.
         with timer("update"):

@@ -41,6 +41,18 @@ def test_online_default_learns_the_builtin_task(tmp_path):
     assert accuracies(output)["greedy task"][1] >= 0.8, accuracies(output)
 
 
+def test_online_steps_without_pairs_pass_the_start_check(tmp_path):
+    """A step whose groups all tie has no pairs: the check of the loss at policy == reference waits for the first
+    step that has some, instead of failing on an empty step's zero loss."""
+    (tmp_path / "flat.py").write_text("def reward(prompt, completion, answer):\n    return 0.0\n")
+    result = dpo(["--online", "--reward-fn", "flat.py:reward", "--skip-reward-check", "--steps", "2",
+                  "--prompts-per-step", "4", "--eval-every", "0", "--eval-size", "4"], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    [run] = (tmp_path / "runs").glob("dpo_builtin_s1_*")
+    assert [(row["pairs/count"], row["pairs/tie_frac"]) for row in metric_rows(run) if "pairs/count" in row] == [
+        (0, 1.0), (0, 1.0)]
+
+
 RESUMABLE = ["--steps", "8", "--pairs-per-step", "16", "--eval-size", "32", "--eval-every", "4",
              "--save-state-every", "2", "--keep-checkpoints", "0"]
 

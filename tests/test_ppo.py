@@ -290,7 +290,9 @@ def pieces_worker(rank: int, world: int, port: int, out_dir: str):
         for threshold, most in [(-1e9, 5), (1e9, 3)]:
             warm = ppo.Args(critic_warmup_ev=threshold, critic_warmup_steps=most, max_tokens_per_micro_batch=16,
                             max_response_len=4)
-            results[f"warmup_{most}"] = ppo.warm_up_critic(critic, critic_optimizer, samples, warm, 1, cpu)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda s: 1.0)
+            results[f"warmup_{most}"] = ppo.warm_up_critic(critic, critic_optimizer, scheduler, samples, warm, 1, cpu)
+            results[f"warmup_{most}"]["scheduler_steps"] = scheduler.last_epoch  # the schedule counts its updates
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"pieces{world}.pt"))
     finish_gloo()
@@ -327,6 +329,7 @@ def test_critic_warmup_stops_on_its_threshold(pieces):
     one, _ = pieces
     assert one["warmup_5"]["critic/warmup_updates"] == 0  # already above a threshold of -1e9
     assert one["warmup_3"]["critic/warmup_updates"] == 3  # never reaches 1e9: stops when the updates run out
+    assert one["warmup_5"]["scheduler_steps"] == 0 and one["warmup_3"]["scheduler_steps"] == 3
 
 
 def test_bad_critic_and_reward_models_are_one_line(tmp_path):
