@@ -1,0 +1,133 @@
+"""Where do the rollout engine's and the trainer's log-probs part? Per-token log-probs of the same sampled tokens
+under several numerical settings, each compared with an fp32 forward pass of the same weights.
+
+    python scripts/bench_mismatch.py --model /tmp/smollm2 --data addition.jsonl --prompts 32 --out mismatch.json
+
+Responses are sampled once (vLLM when installed and on a GPU, with its own log-probs of them; else the model's own
+generate). Then each setting scores them:
+  fp32            weights and arithmetic in fp32: the reference
+  bf16            weights and arithmetic in bf16 (what vLLM runs)
+  autocast        fp32 weights, bf16 matmuls under autocast (what FSDP2's mixed precision runs)
+  bf16+fp32_head  bf16, but the final norm and LM head in fp32
+  bf16+fp32_norm  bf16, but every RMSNorm in fp32
+Reported: the mean absolute difference per token from fp32 (and from vLLM's log-probs when there are any), so a
+setting that closes most of the gap points at the stage that opens it.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, autocast: bool = False,
+                   temperature: float = 1.0) -> list[torch.Tensor]:
+    """Log-probs of each response's tokens given its prompt, one sequence at a time (no padding to get wrong)."""
+    out = []
+    for prompt, response in sequences:
+        ids = torch.tensor([prompt + response], device=device)
+        with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu())
+    return out
+
+
+def with_fp32(model, kinds: tuple[str, ...]):
+    """Runs the named module kinds (by class name: 'RMSNorm', 'lm_head') in fp32 inside a bf16 model."""
+    for name, module in model.named_modules():
+        head = name.endswith("lm_head") or name.endswith("model.norm")  # the final norm feeds the head
+        if "lm_head" in kinds and head or "RMSNorm" in kinds and "RMSNorm" in type(module).__name__:
+            for key, param in list(module.named_parameters(recurse=False)):  # a copy: a tied head stays apart
+                setattr(module, key, torch.nn.Parameter(param.detach().float(), requires_grad=False))
+            module.register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+            if not ("lm_head" in kinds and head):  # back to bf16 for the next bf16 layer
+                module.register_forward_hook(lambda m, args, out: out.to(torch.bfloat16))
+    return model
+
+
+def sample(args, rows, tokenizer, device):
+    """[(prompt ids, response ids)] and vLLM's log-probs of them (None without vLLM)."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                           add_generation_prompt=True) for r in rows]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    try:
+        import vllm  # noqa: F401
+        use_vllm = device.type == "cuda"
+    except ImportError:
+        use_vllm = False
+    if use_vllm:
+        from vllm import LLM, SamplingParams
+        llm = LLM(args.model, dtype="bfloat16", gpu_memory_utilization=0.3, seed=0, enforce_eager=args.eager,
+                  logprobs_mode="processed_logprobs")
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, logprobs=0, seed=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        responses = [list(o.outputs[0].token_ids) for o in outs]
+        engine = [torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                  for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+        return list(zip(prompts, responses)), engine
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    torch.manual_seed(0)
+    responses = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p], device=device), do_sample=True, temperature=args.temperature,
+                             max_new_tokens=args.max_new_tokens, top_k=0)
+        responses.append(out[0, len(p):].tolist())
+    return list(zip(prompts, responses)), None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True, help=".jsonl with the prompts")
+    p.add_argument("--prompt-key", default="question")
+    p.add_argument("--answer-key", default="answer")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.data import load_rows
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = load_rows(args.data, "train", args.prompt_key, args.answer_key)[:args.prompts]
+    sequences, engine = sample(args, rows, tokenizer, device)
+    sequences = [(prompt, response) for prompt, response in sequences if response]
+
+    def load(dtype):
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+
+    results = {"fp32": token_logprobs(load(torch.float32), sequences, device, temperature=args.temperature),
+               "autocast": token_logprobs(load(torch.float32), sequences, device, True, args.temperature),
+               "bf16": token_logprobs(load(torch.bfloat16), sequences, device, temperature=args.temperature),
+               "bf16+fp32_head": token_logprobs(with_fp32(load(torch.bfloat16), ("lm_head",)), sequences, device,
+                                                temperature=args.temperature),
+               "bf16+fp32_norm": token_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), sequences, device,
+                                                temperature=args.temperature)}
+    if engine is not None:
+        results["vllm"] = engine
+    reference = torch.cat(results["fp32"])
+    report = {"model": args.model, "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+              "sequences": len(sequences), "tokens": reference.numel(), "mean_abs_diff_vs_fp32": {}}
+    for name, values in results.items():
+        report["mean_abs_diff_vs_fp32"][name] = (torch.cat(values) - reference).abs().mean().item()
+    if engine is not None:
+        report["mean_abs_diff_vs_vllm"] = {name: (torch.cat(v) - torch.cat(engine)).abs().mean().item()
+                                           for name, v in results.items() if name != "vllm"}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
