@@ -22,6 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.data import load_rows, tokenize_prompts  # noqa: E402
 
 
 def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, autocast: bool = False,
@@ -51,9 +52,7 @@ def with_fp32(model, kinds: tuple[str, ...]):
 
 def sample(args, rows, tokenizer, device):
     """[(prompt ids, response ids)] and vLLM's log-probs of them (None without vLLM)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True) for r in rows]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompts = [r["prompt_ids"] for r in tokenize_prompts(rows, tokenizer, max_prompt_len=10**6)[0]]  # as training
     try:
         import vllm  # noqa: F401
         use_vllm = device.type == "cuda"
@@ -96,7 +95,6 @@ def main():
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.data import load_rows
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = load_rows(args.data, "train", args.prompt_key, args.answer_key)[:args.prompts]

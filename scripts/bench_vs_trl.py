@@ -159,14 +159,13 @@ def trl_worker(args) -> None:
     if args.algo == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        from common.data import load_train_eval
+        from common.data import formatted_conversation, load_train_eval
         from common.rewards import load_reward_fn
 
         train_rows, eval_rows = load_train_eval(args.data, args.prompt_key, args.answer_key, eval_size=args.eval_size,
                                                 seed=args.seed)
-        template = args.prompt_template or "{prompt}"
-        for r in train_rows + eval_rows:
-            r["prompt"] = [{"role": "user", "content": template.replace("{prompt}", r["prompt"])}]
+        for r in train_rows + eval_rows:  # as ours formats them (chat template applied by TRL)
+            r["prompt"] = formatted_conversation(r, args.prompt_template, None)
         reward = load_reward_fn(args.reward_fn)
 
         def reward_fn(prompts, completions, answer, **kwargs):
