@@ -140,8 +140,8 @@ class Rollouts:
             self.engine = make_rollout_engine(
                 args.rollout_engine, policy, model_dir, tokenizer, stop_token_ids(args.model, tokenizer),
                 placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
-                args.seed, args.rollout_eager, args.sync_bucket_mb)
-            self.engine.sleep()  # until the first rollout: loading a training state needs the memory
+                args.seed, args.rollout_eager, args.sync_bucket_mb, args.rollout_sleep_level)
+            self._sleep()  # until the first rollout: loading a training state needs the memory
         use_packed_attention(policy, device)  # training runs on packed rows
         self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
         self.synced_version = -1  # the policy version the colocated engine holds
@@ -177,7 +177,7 @@ class Rollouts:
                                          top_p=self.args.top_p, seed=self.args.seed * 1_000_003 + step)
         if self.device.type == "cuda":
             self.rollout_memory = memory_in_use(self.device)
-        self.engine.sleep()
+        self._sleep()
         with self.timer("reward"):  # what scoring adds after generation; a failure anywhere stops every rank
             samples, timeouts = scored_samples(prompts, outputs, self.scorer, version=step - 1)
         metrics["reward/timeouts"] = all_reduce_sum([timeouts], self.device)[0]
@@ -208,7 +208,7 @@ class Rollouts:
         with self.timer("eval"):
             result = evaluate(self.engine, self.eval_rows, self.scorer, self.tokenizer, self.args,
                               self.placement.rank, self.placement.world, self.device)
-        self.engine.sleep()
+        self._sleep()
         self.first_eval = self.first_eval or result
         self.last_eval = result
         return result
@@ -228,8 +228,15 @@ class Rollouts:
     # -----------------------------------------------------------------------------------------------------------
     # Colocated.
 
+    def _sleep(self) -> None:
+        """Frees the engine's memory for training. A vLLM engine at sleep level 2 drops its weights, so the next
+        rollout or evaluation loads the policy again, even one it held before (after an evaluation)."""
+        self.engine.sleep()
+        if getattr(self.engine, "sleep_level", 1) == 2:
+            self.synced_version = -1
+
     def _sync(self) -> dict[str, float]:
-        """Brings the engine to the policy's version (once per version)."""
+        """Brings the engine to the policy's version (once per version, unless it dropped its weights since)."""
         if self.synced_version == self.version:
             return {}
         with self.timer("sync"):

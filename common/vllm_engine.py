@@ -31,13 +31,15 @@ def request_seed(step_seed: int, replica: int, request_index: int) -> int:
 class VLLMRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float, max_model_len: int,
                  stop_token_ids: list[int], seed: int, enforce_eager: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int = 2):
         """Call on every rank, after torch.distributed is initialised; model_path needs only config.json.
 
-        sleep_level 1 parks vLLM's weights in CPU memory while the trainer runs (they come back on wake-up,
-        then the sync overwrites them); 2 drops them, which saves that copy but leaves the engine unusable
-        until the next `update_weights`.
+        sleep_level 2 drops vLLM's weights while the trainer runs: `update_weights` maps fresh memory for them and
+        loads the trainer's, with nothing copied back from the CPU, and until then the engine cannot generate.
+        1 parks them in CPU memory: they come back on wake-up, only for the sync to overwrite them.
         """
+        if sleep_level not in (1, 2):
+            raise ValueError(f"vLLM's sleep level is 1 or 2, got {sleep_level}")
         from vllm import LLM
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,8 +88,8 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         if self.asleep:  # rollout without a sync since the last sleep: bring back the last synced weights
-            if self.sleep_level != 1:
-                raise RuntimeError("the engine slept with level 2 and has no weights: call update_weights first")
+            if self.sleep_level == 2:
+                raise RuntimeError("the engine slept at level 2 and has no weights: call update_weights first")
             torch.cuda.empty_cache()
             self.llm.wake_up()
             self.asleep = False
@@ -123,7 +125,9 @@ class VLLMRolloutEngine:
         start = time.perf_counter()
         if self.asleep:
             torch.cuda.empty_cache()  # return the trainer's cached blocks so vLLM can map its memory back
-            self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load them
+            # Weights first, the KV cache is not needed to load them. After level 2 this maps empty memory (and
+            # restores vLLM's buffers, e.g. rotary tables, from the CPU); after level 1 it copies the old weights back.
+            self.llm.wake_up(tags=["weights"])
         synced = time.perf_counter()
         num_bytes = sync_weights_to_vllm(model, self.vllm_model, self.sync_bucket_mb, self.dtype)
         sync_seconds = time.perf_counter() - synced
@@ -137,7 +141,8 @@ class VLLMRolloutEngine:
                 "sync/wake_seconds": time.perf_counter() - start - sync_seconds}
 
     def sleep(self) -> None:
-        """Frees vLLM's KV cache (and parks or drops its weights) so the trainer can use the memory."""
+        """Frees vLLM's KV cache and drops its weights (level 2) or parks them on the CPU (level 1), so the trainer
+        can use the memory."""
         if not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True

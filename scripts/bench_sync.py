@@ -2,8 +2,13 @@
 
 A random-weight model of the chosen shape is sharded with FSDP2 over all ranks, a colocated vLLM engine is
 started (tensor parallel --tp, one replica per --tp ranks), then the training loop's cycle is repeated:
-sleep, update_weights (wake, sync, wake). The sync time of an iteration is the slowest rank's; the report
-gives the median over iterations, and the check of the last sync (check_weight_sync).
+sleep, update_weights (wake, sync, wake). Each cycle is run --iters times per sleep level, in one run:
+  0: no sleep, the pure transfer (what the sync costs at best);
+  1: weights parked in CPU memory by sleep and copied back by the wake-up, only to be overwritten;
+  2: weights dropped by sleep, the wake-up maps empty memory and the sync fills it (the training loop's default).
+The time of an iteration is the slowest rank's; the report gives medians per level (sleep, wake, transfer, and the
+in-loop sync = wake + transfer, as the training loop logs it), their ratio to the pure transfer, and the check of
+the last sync at every level (check_weight_sync).
 
     torchrun --nproc_per_node 1 scripts/bench_sync.py --shape 0.5b --tp 1 --out benchmarks/results/sync_0.5b_1gpu.json
     torchrun --nproc_per_node 4 scripts/bench_sync.py --shape 7b --tp 2 --out benchmarks/results/sync_7b_4gpu_tp2.json
@@ -69,8 +74,8 @@ def main():
     parser.add_argument("--master-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="dtype of the trainer's sharded weights (the sync casts them to bf16)")
     parser.add_argument("--gpu-memory", type=float, default=0.3, help="vLLM's share of each GPU")
-    parser.add_argument("--sleep", action=argparse.BooleanOptionalAction, default=True,
-                        help="sleep the engine before each sync, as the training loop does")
+    parser.add_argument("--sleep-levels", type=int, nargs="+", choices=[0, 1, 2], default=[0, 1, 2],
+                        help="cycles to time: 0 no sleep (pure transfer), 1 and 2 vLLM's sleep levels")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
 
@@ -83,33 +88,47 @@ def main():
                                sync_bucket_mb=args.bucket_mb)
     engine.update_weights(policy)  # the first sync replaces the dummy weights; not timed
 
-    seconds, wake_seconds, extra_bytes = [], [], []
-    for _ in range(args.iters):
-        if args.sleep:
-            engine.sleep()
-        dist.barrier()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        metrics = engine.update_weights(policy)
-        # vLLM's own memory is mapped and unmapped under the allocator's accounting, so this delta is the sync's.
-        extra = torch.cuda.max_memory_allocated() - before
-        s, w, e = slowest([metrics["sync/seconds"], metrics["sync/wake_seconds"], extra], device)
-        seconds.append(s), wake_seconds.append(w), extra_bytes.append(e)
-    start = time.perf_counter()
-    engine.check_weights(policy)  # raises on a mismatch
-    check_seconds = time.perf_counter() - start
-
-    gb = metrics["sync/gb"]
     result = {
         "shape": args.shape, "gpus": world, "tp": args.tp, "replicas": world // args.tp,
         "device": torch.cuda.get_device_name(device), "master_dtype": args.master_dtype, "bucket_mb": args.bucket_mb,
-        "sleep_cycle": args.sleep, "params": sum(p.numel() for p in policy.parameters()), "sync_gb": gb,
-        "sync_seconds_median": statistics.median(seconds), "sync_seconds": seconds,
-        "sync_gb_per_s_median": gb / statistics.median(seconds),
-        "wake_seconds_median": statistics.median(wake_seconds),
-        "peak_extra_gib_max": max(extra_bytes) / 2**30, "check_passed": True, "check_seconds": check_seconds,
-        "torch": torch.__version__, "vllm": __import__("vllm").__version__,
+        "params": sum(p.numel() for p in policy.parameters()),
+        "torch": torch.__version__, "vllm": __import__("vllm").__version__, "levels": {},
     }
+    for level in args.sleep_levels:
+        times, extra_bytes = {"sleep": [], "wake": [], "transfer": [], "in_loop": []}, []
+        for _ in range(args.iters):
+            with torch.no_grad():  # a training step changes every weight: the check below must see this sync's
+                for p in policy.parameters():
+                    p.add_(1e-2)
+            dist.barrier()
+            start = time.perf_counter()
+            if level:
+                engine.sleep_level = level
+                engine.sleep()
+            slept = time.perf_counter() - start
+            dist.barrier()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            metrics = engine.update_weights(policy)
+            # vLLM's own memory is mapped and unmapped under the allocator's accounting, so this delta is the sync's.
+            extra = torch.cuda.max_memory_allocated() - before
+            s, w, z, e = slowest([metrics["sync/seconds"], metrics["sync/wake_seconds"], slept, extra], device)
+            for key, value in zip(("transfer", "wake", "sleep", "in_loop"), (s, w, z, s + w)):
+                times[key].append(value)
+            extra_bytes.append(e)
+        start = time.perf_counter()
+        engine.check_weights(policy)  # raises on a mismatch
+        check_seconds = time.perf_counter() - start
+        gb = metrics["sync/gb"]
+        result["sync_gb"] = gb
+        result["levels"][str(level)] = {
+            **{f"{k}_seconds_median": statistics.median(v) for k, v in times.items()},
+            "in_loop_seconds": times["in_loop"], "transfer_gb_per_s_median": gb / statistics.median(times["transfer"]),
+            "peak_extra_gib_max": max(extra_bytes) / 2**30, "check_passed": True, "check_seconds": check_seconds}
+    if "0" in result["levels"]:
+        pure = result["levels"]["0"]["transfer_seconds_median"]
+        for level in result["levels"].values():
+            level["in_loop_over_pure_transfer"] = level["in_loop_seconds_median"] / pure
     if rank == 0:
         report(result, args.out)
 

@@ -61,9 +61,26 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
     with pytest.raises(RuntimeError, match=r"layers\.1\.self_attn\.k_proj\.weight"):
         engine.check_weights(policy)
 
-    # The training-loop cycle: sleep (weights parked on the CPU), wake, sync. The wake-up must not bring the
-    # parked, stale weights back over the synced ones.
+    # The training-loop cycle at both sleep levels: sleep, wake, sync. Level 1's wake-up must not bring the parked,
+    # stale weights back over the synced ones; level 2's maps memory that the sync must fill entirely.
+    for level in (1, 2):
+        engine.sleep_level = level
+        engine.sleep()
+        engine.update_weights(policy)
+        engine.check_weights(policy)
+
+    # Level 2 (the default) drops the weights: woken without a sync they hold whatever the memory held (vLLM issue
+    # 29341 served such weights silently). The trainer has moved since the last sync, so the memory cannot
+    # happen to hold the right values, and the check must fail.
+    with torch.no_grad():
+        k_proj.add_(0.5)
     engine.sleep()
+    with pytest.raises(RuntimeError, match="no weights: call update_weights"):
+        engine.generate([[1, 2, 3]], n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0)
+    engine.llm.wake_up()  # behind the engine's back: weights and KV cache, without a sync
+    engine.asleep = False
+    with pytest.raises(RuntimeError, match="weight sync check failed"):
+        engine.check_weights(policy)
     engine.update_weights(policy)
     engine.check_weights(policy)
 

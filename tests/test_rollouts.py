@@ -1,0 +1,53 @@
+"""common/rollouts.py: when the colocated engine takes the policy's weights.
+
+The placements end to end (colocated, split, async, resume) are tested through the scripts (test_grpo_e2e.py,
+test_split.py, test_resume.py); here, the rule that a GPU run depends on and a CPU run (HF engine) never exercises:
+a vLLM engine that dropped its weights while asleep (level 2) is synced again before it next generates.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common.logger import StageTimer
+from common.rollouts import Rollouts
+
+
+class CountingEngine:
+    """Stands in for a vLLM engine: counts the syncs it receives."""
+
+    def __init__(self, sleep_level: int):
+        self.sleep_level, self.syncs = sleep_level, 0
+
+    def sleep(self):
+        pass
+
+    def update_weights(self, policy):
+        self.syncs += 1
+        return {}
+
+
+def colocated_rollouts(engine) -> Rollouts:
+    """The colocated sync bookkeeping of a Rollouts, without a model or data."""
+    rollouts = Rollouts.__new__(Rollouts)
+    rollouts.engine, rollouts.policy, rollouts.timer = engine, None, StageTimer(torch.device("cpu"))
+    rollouts.args = SimpleNamespace(check_weight_sync=False)
+    rollouts.version, rollouts.synced_version = 0, -1
+    return rollouts
+
+
+@pytest.mark.parametrize("level, syncs_after_eval", [(1, 1), (2, 2)])
+def test_an_engine_that_dropped_its_weights_is_synced_again(level, syncs_after_eval):
+    rollouts = colocated_rollouts(CountingEngine(level))
+    rollouts._sync()
+    rollouts._sync()  # the same version: nothing to send
+    assert rollouts.engine.syncs == 1
+    # An evaluation of version 0 synced it; the rollout after it needs the same version. At level 1 the parked
+    # weights come back on wake-up; at level 2 they were dropped and must be sent again.
+    rollouts._sleep()
+    rollouts._sync()
+    assert rollouts.engine.syncs == syncs_after_eval
+    rollouts.version = 1  # an update: every level syncs
+    rollouts._sync()
+    assert rollouts.engine.syncs == syncs_after_eval + 1
