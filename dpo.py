@@ -174,6 +174,9 @@ class Args:
     """token budget of one forward/backward pass: pairs are packed end to end, chosen and rejected together"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
+    compile: bool = False
+    """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
+    fused kernels, which small models gain most from; the first steps take longer while it compiles"""
 
     # evaluation, checkpoints, logging
     eval_every: int = 25
@@ -607,13 +610,15 @@ def main():
         return serve_rollouts(args, placement, tokenizer, task_rows, eval_task_rows, device, output_dir, start_step)
 
     # Models: the policy, and a frozen reference unless its log-probs come from the cache; the reward model.
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
+                         compile_layers=args.compile)
     reference = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
+                                compile_layers=args.compile)
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
-        reward_model = shard_model(reward_model, device, trainable=False)
+        reward_model = shard_model(reward_model, device, trainable=False, compile_layers=args.compile)
     for model in filter(None, [policy, reference, reward_model]):  # training passes run on packed rows
         use_packed_attention(model, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)

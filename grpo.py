@@ -154,6 +154,9 @@ class Args:
     --async-rollout"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
+    compile: bool = False
+    """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
+    fused kernels, which small models gain most from; the first steps take longer while it compiles"""
 
     # evaluation, checkpoints, logging
     eval_every: int = 25
@@ -380,10 +383,12 @@ def main():
         return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
 
     # Model, reference model, optimizer.
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
+                         compile_layers=args.compile)
     reference = None
     if args.kl_coef > 0:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
+                                compile_layers=args.compile)
         use_packed_attention(reference, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)

@@ -179,6 +179,9 @@ class Args:
     --async-rollout"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
+    compile: bool = False
+    """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
+    fused kernels, which small models gain most from; the first steps take longer while it compiles"""
 
     # evaluation, checkpoints, logging
     eval_every: int = 25
@@ -587,15 +590,17 @@ def main():
         return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
 
     # Models: the policy, the critic, the frozen reference and reward model; an optimizer each for the first two.
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing)
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
+                         compile_layers=args.compile)
     critic = shard_model(load_critic(args.model, args.critic_model, tokenizer, args.seed), device,
-                         args.activation_checkpointing)
+                         args.activation_checkpointing, compile_layers=args.compile)
     reference = reward_model = rm_tokenizer = None
     if args.kl_coef > 0:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
+                                compile_layers=args.compile)
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
-        reward_model = shard_model(reward_model, device, trainable=False)
+        reward_model = shard_model(reward_model, device, trainable=False, compile_layers=args.compile)
     for model in filter(None, [critic, reference, reward_model]):  # these never generate: packed rows only
         use_packed_attention(model, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)

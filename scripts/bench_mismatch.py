@@ -3,15 +3,18 @@ under several numerical settings, each compared with an fp32 forward pass of the
 
     python scripts/bench_mismatch.py --model /tmp/smollm2 --data addition.jsonl --prompts 32 --out mismatch.json
 
-Responses are sampled once (vLLM when installed and on a GPU, with its own log-probs of them; else the model's own
-generate). Then each setting scores them:
+Responses are sampled by vLLM when installed and on a GPU, once per --vllm-dtypes entry, with its own log-probs of
+them (else by the model's own generate). Then each setting scores every sample's tokens:
   fp32            weights and arithmetic in fp32: the reference
   bf16            weights and arithmetic in bf16 (what vLLM runs)
-  autocast        fp32 weights, bf16 matmuls under autocast (what FSDP2's mixed precision runs)
+  autocast        fp32 weights, bf16 matmuls under autocast
   bf16+fp32_head  bf16, but the final norm and LM head in fp32
   bf16+fp32_norm  bf16, but every RMSNorm in fp32
-Reported: the mean absolute difference per token from fp32 (and from vLLM's log-probs when there are any), so a
-setting that closes most of the gap points at the stage that opens it.
+  trainer         the training path itself: FSDP2 (bf16 compute over fp32 weights on a GPU), packed rows with the
+                  varlen attention kernel, the LM head in chunks (common/logprobs.compute_logprobs)
+Reported per sampling run: the mean absolute difference per token from fp32 and from that vLLM run's log-probs, so
+a setting that closes most of the gap points at the stage that opens it, and vLLM in float32 shows what running
+both sides in fp32 would leave; with the generation speed of each vLLM dtype (its cost).
 """
 
 import argparse
@@ -50,26 +53,23 @@ def with_fp32(model, kinds: tuple[str, ...]):
     return model
 
 
-def sample(args, rows, tokenizer, device):
-    """[(prompt ids, response ids)] and vLLM's log-probs of them (None without vLLM)."""
-    prompts = [r["prompt_ids"] for r in tokenize_prompts(rows, tokenizer, max_prompt_len=10**6)[0]]  # as training
-    try:
-        import vllm  # noqa: F401
-        use_vllm = device.type == "cuda"
-    except ImportError:
-        use_vllm = False
-    if use_vllm:
+def sample(args, prompts: list[list[int]], device, vllm_dtype: str | None):
+    """[(prompt ids, response ids)], the sampler's log-probs of them (None without vLLM) and tokens per second."""
+    import time
+    if vllm_dtype is not None:
         from vllm import LLM, SamplingParams
-        llm = LLM(args.model, dtype="bfloat16", gpu_memory_utilization=0.3, seed=0, enforce_eager=args.eager,
-                  logprobs_mode="processed_logprobs")
+        llm = LLM(args.model, dtype=vllm_dtype, gpu_memory_utilization=0.2, seed=0, enforce_eager=args.eager,
+                  logprobs_mode="processed_logprobs", generation_config="vllm")  # no sampling defaults from the model
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, logprobs=0, seed=0)
+        start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        seconds = time.perf_counter() - start
         responses = [list(o.outputs[0].token_ids) for o in outs]
         engine = [torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                   for o in outs]
         del llm
         torch.cuda.empty_cache()
-        return list(zip(prompts, responses)), engine
+        return list(zip(prompts, responses)), engine, sum(map(len, responses)) / seconds
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
     torch.manual_seed(0)
@@ -78,7 +78,14 @@ def sample(args, rows, tokenizer, device):
         out = model.generate(torch.tensor([p], device=device), do_sample=True, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, top_k=0)
         responses.append(out[0, len(p):].tolist())
-    return list(zip(prompts, responses)), None
+    return list(zip(prompts, responses)), None, None
+
+
+def trainer_logprobs(model, sequences, device, temperature: float) -> list[torch.Tensor]:
+    """The training path's log-probs of the responses (see the module docstring)."""
+    from common.logprobs import compute_logprobs
+    samples = [{"prompt_ids": p, "response_ids": r} for p, r in sequences]
+    return compute_logprobs(model, samples, max_tokens=16384, temperature=temperature, device=device)
 
 
 def main():
@@ -91,40 +98,67 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
+    p.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16"],
+                   help="sample once with vLLM in each of these dtypes (bfloat16: the rollouts' own; float32)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from common.distributed import init_distributed
+    from common.logprobs import use_packed_attention
+    from common.model import shard_model
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = load_rows(args.data, "train", args.prompt_key, args.answer_key)[:args.prompts]
-    sequences, engine = sample(args, rows, tokenizer, device)
-    sequences = [(prompt, response) for prompt, response in sequences if response]
+    prompts = [r["prompt_ids"] for r in tokenize_prompts(rows, tokenizer, max_prompt_len=10**6)[0]]  # as training
+    try:
+        import vllm  # noqa: F401
+        use_vllm = device.type == "cuda"
+    except ImportError:
+        use_vllm = False
+    runs = {dtype: sample(args, prompts, device, dtype) for dtype in args.vllm_dtypes} if use_vllm \
+        else {"hf_generate_fp32": sample(args, prompts, device, None)}
 
     def load(dtype):
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
 
-    results = {"fp32": token_logprobs(load(torch.float32), sequences, device, temperature=args.temperature),
-               "autocast": token_logprobs(load(torch.float32), sequences, device, True, args.temperature),
-               "bf16": token_logprobs(load(torch.bfloat16), sequences, device, temperature=args.temperature),
-               "bf16+fp32_head": token_logprobs(with_fp32(load(torch.bfloat16), ("lm_head",)), sequences, device,
-                                                temperature=args.temperature),
-               "bf16+fp32_norm": token_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), sequences, device,
-                                                temperature=args.temperature)}
-    if engine is not None:
-        results["vllm"] = engine
-    reference = torch.cat(results["fp32"])
+    init_distributed()  # a world of one, for the FSDP2 trainer path (after vLLM, which starts its own processes)
+    trainer = shard_model(load(torch.float32), device, trainable=False)
+    use_packed_attention(trainer, device)
+    settings = {
+        "fp32": lambda seqs: token_logprobs(load(torch.float32), seqs, device, temperature=args.temperature),
+        "autocast": lambda seqs: token_logprobs(load(torch.float32), seqs, device, True, args.temperature),
+        "bf16": lambda seqs: token_logprobs(load(torch.bfloat16), seqs, device, temperature=args.temperature),
+        "bf16+fp32_head": lambda seqs: token_logprobs(with_fp32(load(torch.bfloat16), ("lm_head",)), seqs, device,
+                                                      temperature=args.temperature),
+        "bf16+fp32_norm": lambda seqs: token_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), seqs, device,
+                                                      temperature=args.temperature),
+        "trainer": lambda seqs: trainer_logprobs(trainer, seqs, device, args.temperature),
+    }
     report = {"model": args.model, "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
-              "sequences": len(sequences), "tokens": reference.numel(), "mean_abs_diff_vs_fp32": {}}
-    for name, values in results.items():
-        report["mean_abs_diff_vs_fp32"][name] = (torch.cat(values) - reference).abs().mean().item()
-    if engine is not None:
-        report["mean_abs_diff_vs_vllm"] = {name: (torch.cat(v) - torch.cat(engine)).abs().mean().item()
-                                           for name, v in results.items() if name != "vllm"}
+              "runs": {}}
+    for name, (sequences, engine, tokens_per_s) in runs.items():
+        keep = [i for i, (_, response) in enumerate(sequences) if response]
+        sequences = [sequences[i] for i in keep]
+        results = {setting: score(sequences) for setting, score in settings.items()}
+        reference = torch.cat(results["fp32"])
+        run = {"sequences": len(sequences), "tokens": reference.numel(), "mean_abs_diff_vs_fp32": {}}
+        if engine is not None:
+            engine = torch.cat([engine[i] for i in keep])
+            results["vllm"] = [engine]
+            run["generate_tokens_per_s"] = tokens_per_s
+        for setting, values in results.items():
+            run["mean_abs_diff_vs_fp32"][setting] = (torch.cat(values) - reference).abs().mean().item()
+        if engine is not None:
+            run["mean_abs_diff_vs_vllm"] = {setting: (torch.cat(v) - engine).abs().mean().item()
+                                            for setting, v in results.items() if setting != "vllm"}
+        report["runs"][name] = run
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ advantage-weighted token-mean loss, backward, AdamW. Both modes see the same bat
   attention, the LM head in chunks on the response positions only;
 - padded: --padded-micro-batch samples per micro-batch in arrival order, right-padded to their longest, sdpa with a
   padding mask and full float32 logits (common/model.token_logprobs): the naive step.
+- compiled: packed, with each decoder layer's forward torch.compiled (common/model.compile_decoder_layers); the
+  log-probs of a few samples before and after compiling are compared.
 Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time / peak), padding fraction and peak
-memory for each, as JSON to --out.
+memory for each, as JSON to --out; --profile writes a torch.profiler summary of one step per mode.
+Shapes: Qwen2.5's (0.5b, 1.5b, 7b) and SmolLM2-135M's (135m).
 
     python scripts/bench_train.py --out benchmarks/results/train_packing_1gpu.json
     python scripts/bench_train.py --tiny        # CPU smoke test, seconds
@@ -25,23 +28,25 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
 from common.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
 from common.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
 from common.perf import mfu, peak_flops  # noqa: E402
 from common.distributed import init_distributed  # noqa: E402
-from common.model import shard_model, token_logprobs  # noqa: E402
+from common.model import compile_decoder_layers, shard_model, token_logprobs  # noqa: E402
 from scripts.random_model import SHAPES as QWEN_SHAPES  # noqa: E402
 
-# Qwen2.5 architectures, and a tiny one for the CPU smoke test.
+# Qwen2.5 architectures, SmolLM2-135M's (a Llama) and a tiny one for the CPU smoke test.
 SHAPES = {**QWEN_SHAPES, "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)}
+LLAMA_SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5)}
 # Defaults that fit one 80 GB H100 without activation checkpointing: the packed token budget, and the padded
 # baseline's samples per micro-batch (its full float32 logits over 4k-token rows are what runs out first).
-MAX_TOKENS = {"0.5b": 16384, "1.5b": 8192, "tiny": 512}
-PADDED_MICRO_BATCH = {"0.5b": 4, "1.5b": 2, "tiny": 4}
+MAX_TOKENS = {"135m": 16384, "0.5b": 16384, "1.5b": 8192, "tiny": 512}
+PADDED_MICRO_BATCH = {"135m": 8, "0.5b": 4, "1.5b": 2, "tiny": 4}
 
 
 def sample_batch(num_samples: int, prompt_len: int, median: int, sigma: float, cap: int, vocab: int,
@@ -94,7 +99,7 @@ def padded_step(model, optimizer, samples, micro_batch: int, device) -> list[lis
 def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]], args, device) -> dict:
     """The first batch warms up (allocator, kernels); the others are timed. OOM is reported, not raised."""
     def step(samples):
-        if mode == "packed":
+        if mode != "padded":
             return packed_step(model, optimizer, samples, args.max_tokens[shape], args.chunk_tokens, device)
         return padded_step(model, optimizer, samples, args.padded_micro_batch[shape], device)
 
@@ -106,10 +111,14 @@ def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]],
         seconds, tokens, metrics = 0.0, 0, []
         for samples in batches[1:]:
             start = time.perf_counter()
-            if args.profile and device.type == "cuda":
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            if args.profile and samples is batches[1]:  # the first timed step (its time includes the profiler's)
+                activities = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with torch.profiler.profile(activities=activities) as prof:
                     plan = step(samples)
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                write_profile(prof, f"{args.profile}_{shape}_{mode}.txt", device)
             else:
                 plan = step(samples)
             if device.type == "cuda":
@@ -134,8 +143,50 @@ def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]],
     return result
 
 
+def write_profile(prof, path: str, device) -> None:
+    """Where one training step's time goes: the costliest operators by device time (self time, so nothing is
+    counted twice), then by host time, then the totals: busy device time against the step's wall time shows how
+    much of the step the GPU sits idle waiting for the host to launch work."""
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+    sort_device = "self_cuda_time_total" if on_device else "self_cpu_time_total"
+    lines = [f"# torch.profiler summary of one training step ({device})", ""]
+    if on_device:
+        kernels = [e for e in events if e.device_type.name == "CUDA" and not e.is_user_annotation]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6  # us -> s; one stream, so no overlap
+        wall = max(e.time_range.end for e in prof.events()) - min(e.time_range.start for e in prof.events())
+        kernels = sum(e.count for e in kernels)
+        lines += [f"device busy {busy:.3f} s of the step's {wall / 1e6:.3f} s ({busy / (wall / 1e6):.0%}); "
+                  f"{kernels} kernel launches", ""]
+        lines += ["## by device time", events.table(sort_by=sort_device, row_limit=30), ""]
+    lines += ["## by host time", events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+    print(f"profile written to {path}", flush=True)
+
+
+@torch.no_grad()
+def compile_and_compare(model, samples: list[dict], args, device) -> dict:
+    """Compiles the decoder layers, and compares the packed log-probs of a few samples before and after."""
+    use_packed_attention(model, device)
+    packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in samples[:8]],
+                            [len(s["response_ids"]) for s in samples[:8]])
+    eager, _ = packed_token_logprobs(model, packed, temperature=1.0, chunk_tokens=args.chunk_tokens)
+    compile_decoder_layers(model)
+    start = time.perf_counter()
+    compiled, _ = packed_token_logprobs(model, packed, temperature=1.0, chunk_tokens=args.chunk_tokens)
+    first_call = time.perf_counter() - start
+    model.reshard()
+    diff = (compiled.float() - eager.float()).abs()
+    return {"mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(), "tokens": diff.numel(),
+            "first_call_s": first_call}
+
+
 def bench_shape(shape: str, args, device) -> dict:
-    config = Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+    if shape in LLAMA_SHAPES:
+        config = LlamaConfig(**LLAMA_SHAPES[shape], max_position_embeddings=8192)
+    else:
+        config = Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -144,10 +195,12 @@ def bench_shape(shape: str, args, device) -> dict:
     batches = [sample_batch(args.num_samples, args.prompt_len, args.median_response, args.sigma, args.max_response,
                             config.vocab_size, seed=step) for step in range(args.steps + 1)]
     results = {"num_params": sum(p.numel() for p in model.parameters())}
-    for mode in args.modes:
-        if mode == "packed" and args.packed_attention == "auto":
+    for mode in sorted(args.modes, key=lambda m: m == "compiled"):  # compiling changes the model: last
+        if mode == "compiled":  # packed, with each decoder layer compiled from here on (modes run in order)
+            results["compiled_vs_eager_logprobs"] = compile_and_compare(model, batches[0], args, device)
+        if mode in ("packed", "compiled") and args.packed_attention == "auto":
             results["packed_attention"] = use_packed_attention(model, device)
-        elif mode == "packed":
+        elif mode in ("packed", "compiled"):
             results["packed_attention"] = args.packed_attention
             model.set_attn_implementation(args.packed_attention)
         else:
@@ -156,6 +209,8 @@ def bench_shape(shape: str, args, device) -> dict:
         print(f"{shape} {mode}: {json.dumps(results[mode])}", flush=True)
     if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("padded", {}):
         results["packed_speedup"] = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
+    if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("compiled", {}):
+        results["compiled_speedup"] = results["compiled"]["tokens_per_s"] / results["packed"]["tokens_per_s"]
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -164,8 +219,9 @@ def bench_shape(shape: str, args, device) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["0.5b", "1.5b"])
-    parser.add_argument("--modes", nargs="+", choices=["packed", "padded"], default=["packed", "padded"])
+    parser.add_argument("--shapes", nargs="+", choices=sorted({**SHAPES, **LLAMA_SHAPES}), default=["0.5b", "1.5b"])
+    parser.add_argument("--modes", nargs="+", choices=["packed", "padded", "compiled"], default=["packed", "padded"],
+                        help="compiled: packed with each decoder layer torch.compiled (runs after the others)")
     parser.add_argument("--num-samples", type=int, default=256, help="samples per step (one optimizer step)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -180,7 +236,8 @@ def main():
     parser.add_argument("--padded-micro-batch", type=int, default=None,
                         help=f"padded: samples per micro-batch (default per shape: {PADDED_MICRO_BATCH})")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print the costliest GPU kernels of each timed step")
+    parser.add_argument("--profile", default=None, metavar="PREFIX",
+                        help="profile the first timed step of each shape and mode: a summary to PREFIX_SHAPE_MODE.txt")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, few short samples")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
