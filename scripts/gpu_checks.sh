@@ -6,9 +6,21 @@
 #   bash scripts/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
 #   bash scripts/gpu_checks.sh 7b OUTDIR GPUS TP         # grpo at the 7B shape, FSDP over GPUS, vLLM TP=TP: 10 steps
 #                                                        # with every sync checked, device memory sampled each second
-# Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py).
+#   bash scripts/gpu_checks.sh ppo-sync OUTDIR [GPU]     # ppo.py 20 steps at grpo_1gpu's settings, every sync checked
+#   bash scripts/gpu_checks.sh ppo-verl OUTDIR [GPU]     # ppo.py at verl's published PPO shape: 256 prompts of 1024
+#                                                        # tokens, 512 new, compiled vLLM; tokens/s end to end, by stage
+#   bash scripts/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
+#   bash scripts/gpu_checks.sh dpo OUTDIR [GPU]          # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
+#                                                        # tokens/s and MFU per step, and the reference log-probs' cost
+# Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
+# mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
+# together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
+#   SHAPE=tiny EXTRA="--rollout-engine hf --steps 3 --prompts-per-step 4 --max-response-len 8 --eval-size 4" \
+#     bash scripts/gpu_checks.sh ppo /tmp/smoke
+#   SHAPE=tiny EXTRA="--steps 3 --pairs-per-step 8 --eval-size 8" bash scripts/gpu_checks.sh dpo /tmp/smoke
 set -u
 mode=$1; out=$2; mkdir -p "$out"
+EXTRA=${EXTRA:-}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # A reward with variance in every group (a hash of the completion), so every step updates the weights and
 # the sync check compares weights that really changed; lr 1e-4 moves bf16 weights by more than one ulp.
@@ -17,10 +29,12 @@ import zlib
 def reward(prompt, completion, answer):
     return float(zlib.crc32(completion.encode()) % 2)
 PY
-model=/tmp/qwen0.5b_$mode  # one per mode: modes may run side by side on one machine
-[ "$mode" = 7b ] || python3 scripts/random_model.py --shape 0.5b --out $model || exit 1
-GRPO="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
+shape=${SHAPE:-$([ "$mode" = dpo ] && echo 1.5b || echo 0.5b)}
+model=/tmp/qwen${shape}_$mode  # one per mode: modes may run side by side on one machine
+[ "$mode" = 7b ] || python3 scripts/random_model.py --shape $shape --out $model || exit 1
+SMALL="--model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
+GRPO="grpo.py $SMALL"
 
 run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
   local name=$1 limit=$2 gpus=$3; shift 3
@@ -32,6 +46,44 @@ sync() {  # sync SHAPE TP GPUS: the weight-sync bench
   local n; n=$(echo "$3" | tr , '\n' | wc -l)
   run sync_$1_${n}gpu_tp$2 150 "$3" torchrun --standalone --nproc_per_node "$n" scripts/bench_sync.py --shape "$1" --tp "$2" \
     --out "$out/sync_$1_${n}gpu_tp$2.json"
+}
+
+summary() {  # summary NAME RUN_DIR [BASELINE_TOKENS_PER_S]: every row of the run's metrics.jsonl, then the medians
+  # of steps 2+ (step 1 warms up); the run's metrics land in OUTDIR, its checkpoints are deleted
+  cp "$2/metrics.jsonl" "$out/$1_metrics.jsonl" || return
+  python3 - "$2/metrics.jsonl" "${3:-0}" <<'PY' | tee "$out/$1_summary.txt"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+baseline = float(sys.argv[2])
+shown = {"perf/mfu": "mfu", "perf/peak_memory_gb": "mem_GB", "response/length_mean": "len",
+         "loss/preference": "loss", "rewards/chosen": "r_chosen", "rewards/rejected": "r_rejected"}
+outside = {"time/step", "time/eval", "time/save", "time/save_state"}  # not stages of the step (eval, saves: after it)
+for r in rows:
+    head = (f"step {r['step']}: {r['time/step']:.2f} s, {r['perf/tokens_per_s'] * r['time/step']:.0f} tokens, "
+            f"{r['perf/tokens_per_s']:.0f} tokens/s" if "time/step" in r else f"step {r['step']} (before training):")
+    print(head, " ".join(f"{short}={r[k]:.4g}" for k, short in shown.items() if k in r), "| seconds:",
+          " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("time/") and k != "time/step"))
+if rows and "time/reference" in rows[0]:  # dpo.py --ref-cache: computed once before step 1, in no step's time
+    print(f"reference log-probs before step 1: {rows[0]['time/reference']:.2f} s")
+measured = [r for r in rows if "time/step" in r and r["step"] >= 2]
+if not measured:
+    sys.exit("no step after the first finished: nothing to take medians of")
+median = lambda key: statistics.median(r.get(key, 0.0) for r in measured)
+for r in measured:
+    r["tokens"] = r["perf/tokens_per_s"] * r["time/step"]  # prompts + responses (DPO: a pair's prompt twice)
+step, tokens_per_s = median("time/step"), median("perf/tokens_per_s")
+stages = sorted({k for r in measured for k in r if k.startswith("time/")} - outside)
+print(f"median of steps {measured[0]['step']}-{measured[-1]['step']}: {step:.2f} s a step, "
+      f"{median('tokens'):.0f} tokens a step, {tokens_per_s:.0f} tokens/s end to end"
+      + (f" = {tokens_per_s / baseline:.1f}x the baseline's {baseline:.0f}" if baseline else ""))
+print("  stages (s):", " ".join(f"{k[5:]}={median(k):.2f}" for k in stages),
+      f"other={step - sum(median(k) for k in stages):.2f}")
+if any("perf/mfu" in r for r in measured):
+    print(f"  MFU (training FLOPs over the update's time) {median('perf/mfu'):.3f}")
+if any("perf/peak_memory_gb" in r for r in measured):
+    print(f"  peak GPU memory {max(r.get('perf/peak_memory_gb', 0) for r in rows):.1f} GB")
+PY
+  rm -rf "$2"
 }
 
 if [ "$mode" = one ]; then
@@ -64,4 +116,38 @@ elif [ "$mode" = 7b ]; then
     --rollout-eager --rollout-tp "$tp" --resume none --overwrite --output-dir "${SCRATCH:-/tmp}/$name"
   kill $smi; rm -rf "${SCRATCH:-/tmp}/$name"  # the 7B training state is about 90 GB
   echo "$name device memory peak (MiB, per GPU):" $(sort -t, -k1,1n -k2,2n "$out/${name}_memory.csv" | awk -F, '{m[$1]=$2} END {for (i in m) printf "%s:%s ", i, m[i]}')
+fi
+# ppo makes both PPO runs, ppo-sync and ppo-verl one each (each fits in a 10-minute call, the two together may not).
+if [ "$mode" = ppo ] || [ "$mode" = ppo-sync ]; then
+  run ppo_sync 300 ${3:-0} torchrun --standalone --nproc_per_node 1 ppo.py $SMALL --rollout-eager \
+    --output-dir /tmp/p1_$mode $EXTRA
+fi
+if [ "$mode" = ppo ] || [ "$mode" = ppo-verl ]; then
+  # verl's published PPO run (Qwen2.5-0.5B-Instruct, GSM8K, 1 GPU): 256 prompts x about 382 tokens, 66 s a step, about
+  # 1.5k tokens/s. Here the same batch with longer sequences: 256 prompts of 1024 tokens, one response each of up to 512
+  # (all 512: a random model almost never samples its EOS), 4 mini-batches of 64 prompts as in verl's quickstart, no
+  # critic warm-up (verl's critic_warmup 0). Step 1 warms up; before it, vLLM compiles and captures CUDA graphs
+  # (2-3 minutes).
+  python3 scripts/random_data.py prompts --rows 1296 --prompt-len 1024 --out /tmp/verl_prompts_$mode.jsonl || exit 1
+  run ppo_verl 500 ${3:-0} torchrun --standalone --nproc_per_node 1 ppo.py --model $model \
+    --dataset /tmp/verl_prompts_$mode.jsonl --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check \
+    --prompts-per-step 256 --group-size 1 --max-prompt-len 1024 --max-response-len 512 --num-mini-batches 4 \
+    --critic-warmup-steps 0 --steps 5 --eval-every 0 --eval-size 16 --rollout-engine vllm --rollout-gpu-memory 0.3 \
+    --save-state-every 0 --resume none --overwrite --output-dir /tmp/ppo_verl_$mode $EXTRA
+  summary ppo_verl /tmp/ppo_verl_$mode 1500
+fi
+if [ "$mode" = dpo ]; then
+  # Offline DPO at the 1.5B shape: 128 pairs a step of HH-RLHF's lengths (about 44k tokens), packed into micro-batches
+  # of 8k tokens: about 25 GB of activations beside 25 GB of fp32 weights, gradients and Adam state, inside 80 GB
+  # without activation checkpointing. The reference log-probs are computed once, before step 1, into a fresh
+  # --ref-cache: that cost is step 0's time/reference, in no step's time. The start-up check (loss ln 2 and implicit
+  # rewards 0 at step 1, up to 0.05 nats) is skipped, as bf16 sums of a random model's log-probs packed two ways may
+  # miss it: step 1's loss and rewards are in the summary.
+  python3 scripts/random_data.py pairs --rows 1344 --out /tmp/hh_like_pairs_$mode.jsonl || exit 1
+  rm -rf /tmp/dpo_ref_cache_$mode
+  run dpo_1gpu 420 ${3:-0} torchrun --standalone --nproc_per_node 1 dpo.py --model $model \
+    --dataset /tmp/hh_like_pairs_$mode.jsonl --pairs-per-step 128 --steps 10 --eval-size 64 --eval-every 0 \
+    --max-len 1024 --max-tokens-per-micro-batch 8192 --ref-cache /tmp/dpo_ref_cache_$mode --skip-start-check \
+    --save-state-every 0 --resume none --overwrite --output-dir /tmp/dpo_$mode $EXTRA
+  summary dpo_1gpu /tmp/dpo_$mode
 fi

@@ -1,4 +1,5 @@
-"""Random-weight models at real Qwen2.5 shapes, for GPU runs and benchmarks where no hub can be reached.
+"""Random-weight models at real Qwen2.5 shapes, for GPU runs and benchmarks where no hub can be reached (and a
+tiny one, for CPU smoke tests of the scripts that make those runs).
 
     python scripts/random_model.py --shape 0.5b --out /tmp/qwen0.5b
     torchrun --nproc_per_node 1 grpo.py --model /tmp/qwen0.5b --lr 1e-6 ...
@@ -18,6 +19,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Con
 
 # Qwen2.5 architectures: hidden size, MLP size, layers, query heads, kv heads, vocabulary, tied embeddings.
 SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True),  # not a Qwen2.5 size
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
