@@ -94,7 +94,7 @@ def resolve_engine_kind(kind: str) -> str:
 
 def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
                         tp_size: int, gpu_memory: float, max_model_len: int, seed: int, enforce_eager: bool,
-                        sync_bucket_mb: int, sleep_level: int = 2):
+                        sync_bucket_mb: int, sleep_level: int = 1):
     """kind: "vllm", "hf" or "auto" (see resolve_engine_kind)."""
     kind = resolve_engine_kind(kind)
     if kind == "hf":

@@ -31,7 +31,7 @@ def request_seed(step_seed: int, replica: int, request_index: int) -> int:
 class VLLMRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float, max_model_len: int,
                  stop_token_ids: list[int], seed: int, enforce_eager: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int = 2):
+                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int = 1):
         """Call on every rank, after torch.distributed is initialised; model_path needs only config.json.
 
         sleep_level 2 drops vLLM's weights while the trainer runs: `update_weights` maps fresh memory for them and

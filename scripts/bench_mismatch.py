@@ -57,6 +57,7 @@ def sample(args, prompts: list[list[int]], device, vllm_dtype: str | None):
     """[(prompt ids, response ids)], the sampler's log-probs of them (None without vLLM) and tokens per second."""
     import time
     if vllm_dtype is not None:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process has used CUDA: its engine can't fork
         from vllm import LLM, SamplingParams
         llm = LLM(args.model, dtype=vllm_dtype, gpu_memory_utilization=0.2, seed=0, enforce_eager=args.eager,
                   logprobs_mode="processed_logprobs", generation_config="vllm")  # no sampling defaults from the model

@@ -109,18 +109,17 @@ def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]],
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         seconds, tokens, metrics = 0.0, 0, []
+        if args.profile:  # one more step, untimed: the profiler slows the host down
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch.profiler.profile(activities=activities) as prof:
+                step(batches[0])
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            write_profile(prof, f"{args.profile}_{shape}_{mode}.txt", device)
         for samples in batches[1:]:
             start = time.perf_counter()
-            if args.profile and samples is batches[1]:  # the first timed step (its time includes the profiler's)
-                activities = [torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-                with torch.profiler.profile(activities=activities) as prof:
-                    plan = step(samples)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                write_profile(prof, f"{args.profile}_{shape}_{mode}.txt", device)
-            else:
-                plan = step(samples)
+            plan = step(samples)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
@@ -237,7 +236,8 @@ def main():
                         help=f"padded: samples per micro-batch (default per shape: {PADDED_MICRO_BATCH})")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--profile", default=None, metavar="PREFIX",
-                        help="profile the first timed step of each shape and mode: a summary to PREFIX_SHAPE_MODE.txt")
+                        help="profile one more step of each shape and mode, before the timed ones and not timed: a "
+                             "summary to PREFIX_SHAPE_MODE.txt")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, few short samples")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()

@@ -69,9 +69,9 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
         engine.update_weights(policy)
         engine.check_weights(policy)
 
-    # Level 2 (the default) drops the weights: woken without a sync they hold whatever the memory held (vLLM issue
-    # 29341 served such weights silently). The trainer has moved since the last sync, so the memory cannot
-    # happen to hold the right values, and the check must fail.
+    # Level 2 drops the weights: woken without a sync they hold whatever the memory held (vLLM issue 29341 served
+    # such weights silently). The trainer has moved since the last sync, so the memory cannot happen to hold the
+    # right values, and the check must fail.
     with torch.no_grad():
         k_proj.add_(0.5)
     engine.sleep()
