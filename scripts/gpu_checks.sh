@@ -10,6 +10,8 @@
 #   bash scripts/gpu_checks.sh ppo-verl OUTDIR [GPU]     # ppo.py at verl's published PPO shape: 256 prompts of 1024
 #                                                        # tokens, 512 new, compiled vLLM; tokens/s end to end, by stage
 #   bash scripts/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
+#   bash scripts/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 1, 2, 1 on one machine
+#                                                        # (12 steps each): does level 2 change anything but the sync?
 #   bash scripts/gpu_checks.sh dpo OUTDIR [GPU]          # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
@@ -93,6 +95,13 @@ if [ "$mode" = one ]; then
   ( run bench_rollout 300 $b torchrun --standalone --nproc_per_node 1 scripts/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
     for s in 0.5b 1.5b 7b; do sync $s 1 $b; done ) &
   wait
+elif [ "$mode" = levels ]; then
+  # A B A, so drift of the machine over the runs shows as a difference between the two level-1 runs.
+  for run_level in 1a 2 1b; do
+    run grpo_level$run_level 200 ${3:-0} torchrun --standalone --nproc_per_node 1 $GRPO --steps 12 --eval-every 0 \
+      --rollout-eager --rollout-sleep-level ${run_level:0:1} --output-dir /tmp/g_level$run_level
+    summary grpo_level$run_level /tmp/g_level$run_level | tail -n 2
+  done
 elif [ "$mode" = two ]; then
   g=${3:-0,1}
   run grpo_2gpu_tp2 300 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g2_$mode
