@@ -22,3 +22,18 @@ def test_model_sources(tmp_path):
         check_model_source(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"")
     check_model_source(str(tmp_path))
+
+
+def test_a_word_level_tokenizer_loads_back_as_saved(tmp_path):
+    """The random-weight models of scripts/random_model.py have a qwen2 config and a word-level tokenizer:
+    AutoTokenizer alone rebuilds it as Qwen2's BPE, which splits "w100" into digits."""
+    from transformers import Qwen2Config
+
+    from common.model import load_tokenizer
+    from scripts.random_model import full_vocab_tokenizer
+
+    Qwen2Config(vocab_size=1000).save_pretrained(tmp_path)
+    full_vocab_tokenizer(1000).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the source check wants weights; no model is loaded here
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer("w100 w200")["input_ids"] == [100, 200]
