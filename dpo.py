@@ -177,6 +177,10 @@ class Args:
     compile: bool = False
     """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
     fused kernels, which small models gain most from; the first steps take longer while it compiles"""
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides, whose
+    log-probs agree far more closely (bf16 puts each side about 0.03 per token off exact on a real model; vLLM in
+    fp32 0.002, at 0.86x its bf16 speed: benchmarks/README.md) at a cost in speed and memory"""
 
     # evaluation, checkpoints, logging
     eval_every: int = 25
@@ -611,14 +615,15 @@ def main():
 
     # Models: the policy, and a frozen reference unless its log-probs come from the cache; the reward model.
     policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
-                         compile_layers=args.compile)
+                         compile_layers=args.compile, precision=args.precision)
     reference = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
-                                compile_layers=args.compile)
+                                compile_layers=args.compile, precision=args.precision)
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
-        reward_model = shard_model(reward_model, device, trainable=False, compile_layers=args.compile)
+        reward_model = shard_model(reward_model, device, trainable=False, compile_layers=args.compile,
+                                   precision=args.precision)
     for model in filter(None, [policy, reference, reward_model]):  # training passes run on packed rows
         use_packed_attention(model, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)

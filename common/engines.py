@@ -94,7 +94,7 @@ def resolve_engine_kind(kind: str) -> str:
 
 def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
                         tp_size: int, gpu_memory: float, max_model_len: int, seed: int, enforce_eager: bool,
-                        sync_bucket_mb: int, sleep_level: int = 1):
+                        sync_bucket_mb: int, sleep_level: int = 1, dtype: torch.dtype = torch.bfloat16):
     """kind: "vllm", "hf" or "auto" (see resolve_engine_kind)."""
     kind = resolve_engine_kind(kind)
     if kind == "hf":
@@ -104,5 +104,5 @@ def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token
         return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
                                  max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
                                  enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb,
-                                 sleep_level=sleep_level)
+                                 sleep_level=sleep_level, dtype=dtype)
     raise ValueError(f"--rollout-engine must be auto, hf or vllm, got {kind!r}")

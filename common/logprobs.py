@@ -129,7 +129,7 @@ def _keywords(function) -> frozenset[str]:
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              cu_seq_lens_q=None, max_length_q=None, **kwargs):
     """A transformers attention function over a packed row: torch's flash-attention varlen kernel on GPU, and on
-    CPU plain sdpa over the sequences grouped by length (one causal call per distinct length).
+    CPU or in fp32 plain sdpa over the sequences grouped by length (one causal call per distinct length).
 
     query [1, heads, total, head_dim], key/value [1, kv_heads, total, head_dim] -> ([1, total, heads, head_dim], None).
     Each sequence (cu_seq_lens_q) attends causally to itself only: no mask, no wasted work across sequences.
@@ -139,7 +139,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if dropout:
         raise ValueError(f"{VARLEN_ATTENTION} attention has no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [total, heads, head_dim]
-    if not q.is_cuda:
+    if not q.is_cuda or q.dtype == torch.float32:  # the flash kernel computes in bf16/fp16 only
         return _attention_by_length(q, k, v, cu_seq_lens_q, scaling).unsqueeze(0), None
     from torch.nn.attention.varlen import varlen_attn
 

@@ -119,17 +119,22 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The GPU arithmetic of a --precision: the trainer's compute dtype and vLLM's."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
 def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
-                trainable: bool = True, compile_layers: bool = False) -> torch.nn.Module:
+                trainable: bool = True, compile_layers: bool = False, precision: str = "bf16") -> torch.nn.Module:
     """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head).
 
-    On GPU the compute runs in bf16 while the sharded master weights stay fp32 and gradients are reduced in fp32;
-    on CPU everything is fp32. fully_shard moves the shards to `device`.
+    On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
+    are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`.
     compile_layers: see compile_decoder_layers.
     """
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)

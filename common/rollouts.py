@@ -31,7 +31,7 @@ from common.distributed import (all_reduce_sum, decided_by_rank0, finish_distrib
 from common.engines import make_rollout_engine, resolve_engine_kind
 from common.errors import check_ranges
 from common.logprobs import use_packed_attention
-from common.model import load_model, save_model_config, stop_token_ids
+from common.model import compute_dtype, load_model, save_model_config, stop_token_ids
 from common.perf import memory_in_use
 from common.rewards import RewardScorer
 from common.signals import exit_on_stop_signals
@@ -129,7 +129,7 @@ class Rollouts:
                                      if args.async_rollout else ", synchronous"))
             self.staleness = args.max_staleness if args.async_rollout else 0
             self.versions_to_send = set(weight_versions(start_step, args.steps, self.staleness, args.eval_every))
-            self.link_dtype = torch.bfloat16 if args.rollout_engine == "vllm" else torch.float32
+            self.link_dtype = compute_dtype(args.precision) if args.rollout_engine == "vllm" else torch.float32
         else:
             self.staleness = 0
             self.scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers)
@@ -140,7 +140,8 @@ class Rollouts:
             self.engine = make_rollout_engine(
                 args.rollout_engine, policy, model_dir, tokenizer, stop_token_ids(args.model, tokenizer),
                 placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
-                args.seed, args.rollout_eager, args.sync_bucket_mb, args.rollout_sleep_level)
+                args.seed, args.rollout_eager, args.sync_bucket_mb, args.rollout_sleep_level,
+                compute_dtype(args.precision))
             self._sleep()  # until the first rollout: loading a training state needs the memory
         use_packed_attention(policy, device)  # training runs on packed rows
         self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
@@ -386,10 +387,10 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
     if args.rollout_engine == "vllm":
         engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
                                      args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
-                                     args.rollout_eager, args.sync_bucket_mb)
+                                     args.rollout_eager, args.sync_bucket_mb, dtype=compute_dtype(args.precision))
         with torch.device("meta"):  # names and shapes only
             shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
-        dtype, load, loaded = torch.bfloat16, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
+        dtype, load, loaded = engine.dtype, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
     else:
         model = load_model(args.model, tokenizer, args.seed).to(device)  # overwritten by the first version received
         engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,

@@ -12,6 +12,7 @@ them (else by the model's own generate). Then each setting scores every sample's
   bf16+fp32_norm  bf16, but every RMSNorm in fp32
   trainer         the training path itself: FSDP2 (bf16 compute over fp32 weights on a GPU), packed rows with the
                   varlen attention kernel, the LM head in chunks (common/logprobs.compute_logprobs)
+  trainer_fp32    the same with --precision fp32 (FSDP2 computing in fp32, sdpa attention)
 Reported per sampling run: the mean absolute difference per token from fp32 and from that vLLM run's log-probs, so
 a setting that closes most of the gap points at the stage that opens it, and vLLM in float32 shows what running
 both sides in fp32 would leave; with the generation speed of each vLLM dtype (its cost).
@@ -126,7 +127,8 @@ def main():
 
     init_distributed()  # a world of one, for the FSDP2 trainer path (after vLLM, which starts its own processes)
     trainer = shard_model(load(torch.float32), device, trainable=False)
-    use_packed_attention(trainer, device)
+    trainer_fp32 = shard_model(load(torch.float32), device, trainable=False, precision="fp32")
+    use_packed_attention(trainer, device), use_packed_attention(trainer_fp32, device)
     settings = {
         "fp32": lambda seqs: token_logprobs(load(torch.float32), seqs, device, temperature=args.temperature),
         "autocast": lambda seqs: token_logprobs(load(torch.float32), seqs, device, True, args.temperature),
@@ -136,6 +138,7 @@ def main():
         "bf16+fp32_norm": lambda seqs: token_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), seqs, device,
                                                       temperature=args.temperature),
         "trainer": lambda seqs: trainer_logprobs(trainer, seqs, device, args.temperature),
+        "trainer_fp32": lambda seqs: trainer_logprobs(trainer_fp32, seqs, device, args.temperature),
     }
     report = {"model": args.model, "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
               "runs": {}}
