@@ -1,4 +1,4 @@
-"""Helpers for tests that spawn gloo process groups on CPU (torch.multiprocessing.spawn)."""
+"""Helpers for tests that run gloo process groups on CPU (launcher.spawn: ranks forked from a pre-imported process)."""
 
 import os
 import socket

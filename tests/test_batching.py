@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common.batching import (balance_across_ranks, batching_metrics, equalize_micro_batches, gather_in_original_order,
@@ -15,6 +14,7 @@ from common.batching import (balance_across_ranks, batching_metrics, equalize_mi
 from common.logprobs import packed_token_logprobs
 from common.distributed import all_reduce_sum, max_over_ranks
 from common.model import shard_model
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -212,7 +212,7 @@ def spawned(tmp_path_factory):
     """One gloo run on 1 process and one on 2 (process start-up is most of the time), shared by the tests below."""
     out_dir = tmp_path_factory.mktemp("batching")
     for world in (1, 2):
-        mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
+        launcher.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world)
     return torch.load(out_dir / "world1.pt"), torch.load(out_dir / "world2.pt")
 
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dpo
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -254,7 +254,7 @@ def sum_over(value: float, device) -> float:
 def pieces(tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo_pieces")
     for world in (1, 2):
-        mp.spawn(pieces_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+        launcher.spawn(pieces_worker, args=(world, free_port(), str(out)), nprocs=world)
     return torch.load(out / "world1.pt"), torch.load(out / "world2.pt")
 
 

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import grpo
 from common.logprobs import compute_logprobs
 from common.model import shard_model
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -114,7 +114,7 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_two_ranks_match_one_rank(tmp_path, loss_agg):
     for world in (1, 2):
-        mp.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path)), nprocs=world, join=True)
+        launcher.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path)), nprocs=world)
     one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
     initial = dict(tiny_model().named_parameters())
@@ -162,6 +162,6 @@ def nan_update(rank: int, port: int, out_dir: str):
 
 
 def test_nan_gradient_skips_the_update(tmp_path):
-    mp.spawn(nan_update, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    launcher.spawn(nan_update, args=(free_port(), str(tmp_path)), nprocs=1)
     result = torch.load(tmp_path / "nan.pt")
     assert result == {"skipped": 1, "unchanged": True, "adam_state": 0}  # no step taken, Adam's moments untouched

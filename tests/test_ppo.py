@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ppo
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -183,7 +183,7 @@ def pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def test_global_statistics_two_ranks_match_one(tmp_path):
-    mp.spawn(global_stats, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    launcher.spawn(global_stats, args=(2, free_port(), str(tmp_path)), nprocs=2)
     data = rank_data()
     x, values, mask = (torch.cat([pad_to(d[i], 4) for d in data]) for i in range(3))  # 1 rank: all 5 rows
     whitened = ppo.masked_whiten(x, mask)
@@ -302,7 +302,7 @@ def pieces_worker(rank: int, world: int, port: int, out_dir: str):
 def pieces(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_pieces")
     for world in (1, 2):
-        mp.spawn(pieces_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+        launcher.spawn(pieces_worker, args=(world, free_port(), str(out)), nprocs=world)
     return torch.load(out / "pieces1.pt"), torch.load(out / "pieces2.pt")
 
 

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from common.data import PromptSampler
+from common.model import shard_model
 from common.optim import BadStepCounter, is_bad_number, set_hyperparameters
 from common.resume import (checkpoint_damage, latest_checkpoint, load_training_state, newest_intact_checkpoint,
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +32,6 @@ PROMPTS_PER_STEP = 4  # global: 4 per rank on 1 rank, 2 per rank on 2 ranks
 
 
 def tiny_model(seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # here: spawned ranks re-import this module, keep it light
     torch.manual_seed(seed)
     config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, tie_word_embeddings=True)
@@ -37,8 +39,6 @@ def tiny_model(seed: int):
 
 
 def build(seed: int, rank: int, world: int):
-    from common.data import PromptSampler
-    from common.model import shard_model
     model = shard_model(tiny_model(seed), CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
@@ -108,9 +108,9 @@ def resumed(tmp_path_factory) -> str:
     """Runs saved on 2 and on 1 rank, each loaded on 2 and on 1 rank; three launches, as each costs seconds."""
     out = str(tmp_path_factory.mktemp("resume"))
     saved_on = {world: os.path.join(out, f"saved_on_{world}") for world in (1, 2)}
-    mp.spawn(resume_worker, args=(2, free_port(), saved_on[2], [], out), nprocs=2, join=True)
-    mp.spawn(resume_worker, args=(1, free_port(), saved_on[1], [saved_on[2]], out), nprocs=1, join=True)
-    mp.spawn(resume_worker, args=(2, free_port(), None, [saved_on[1], saved_on[2]], out), nprocs=2, join=True)
+    launcher.spawn(resume_worker, args=(2, free_port(), saved_on[2], [], out), nprocs=2)
+    launcher.spawn(resume_worker, args=(1, free_port(), saved_on[1], [saved_on[2]], out), nprocs=1)
+    launcher.spawn(resume_worker, args=(2, free_port(), None, [saved_on[1], saved_on[2]], out), nprocs=2)
     return out
 
 

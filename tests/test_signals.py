@@ -10,8 +10,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def agreement_worker(rank: int, world: int, port: int, out: str):
 
 
 def test_a_signal_on_one_rank_stops_every_rank(tmp_path):
-    mp.spawn(agreement_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    launcher.spawn(agreement_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["before"] for r in results] == [False, False]
     assert [r["after"] for r in results] == [True, True]  # the rank without the signal stops too

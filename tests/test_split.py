@@ -15,6 +15,7 @@ import torch.distributed as dist
 from common.rollouts import tis_metrics
 from common.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object, recv_weights,
                           send_object, staleness_metrics, weight_versions)
+import launcher
 from gloo import finish_gloo, free_port, init_gloo
 from test_grpo_e2e import launch, torchrun, wait_for
 
@@ -129,7 +130,7 @@ def _link_worker(rank: int, port: int, out_dir: str):
 
 
 def test_link_carries_objects_in_and_weights_out(tmp_path):
-    torch.multiprocessing.spawn(_link_worker, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
+    launcher.spawn(_link_worker, args=(free_port(), str(tmp_path)), nprocs=3)
     trainer = torch.load(tmp_path / "0.pt")
     assert trainer["messages"] == [{"from": 1, "samples": [0, 1, 2]}, {"from": 2, "samples": [0, 1, 2, 3, 4, 5]}]
     assert trainer["sent"] == (6 + 5 + 4) * 4
