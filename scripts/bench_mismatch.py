@@ -22,22 +22,24 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import load_rows, tokenize_prompts  # noqa: E402
+from common.model import token_logprobs  # noqa: E402
 
 
-def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, autocast: bool = False,
-                   temperature: float = 1.0) -> list[torch.Tensor]:
+def sequence_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, autocast: bool = False,
+                      temperature: float = 1.0) -> list[torch.Tensor]:
     """Log-probs of each response's tokens given its prompt, one sequence at a time (no padding to get wrong)."""
     out = []
     for prompt, response in sequences:
         ids = torch.tensor([prompt + response], device=device)
         with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
-        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu())
+            logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature)  # [1, len - 1]
+        out.append(logprobs[0, len(prompt) - 1:].cpu())
     return out
 
 
@@ -56,7 +58,6 @@ def with_fp32(model, kinds: tuple[str, ...]):
 
 def sample(args, prompts: list[list[int]], device, vllm_dtype: str | None):
     """[(prompt ids, response ids)], the sampler's log-probs of them (None without vLLM) and tokens per second."""
-    import time
     if vllm_dtype is not None:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process has used CUDA: its engine can't fork
         from vllm import LLM, SamplingParams
@@ -128,14 +129,15 @@ def main():
     init_distributed()  # a world of one, for the FSDP2 trainer path (after vLLM, which starts its own processes)
     trainer = shard_model(load(torch.float32), device, trainable=False)
     trainer_fp32 = shard_model(load(torch.float32), device, trainable=False, precision="fp32")
-    use_packed_attention(trainer, device), use_packed_attention(trainer_fp32, device)
+    for model in (trainer, trainer_fp32):
+        use_packed_attention(model, device)
     settings = {
-        "fp32": lambda seqs: token_logprobs(load(torch.float32), seqs, device, temperature=args.temperature),
-        "autocast": lambda seqs: token_logprobs(load(torch.float32), seqs, device, True, args.temperature),
-        "bf16": lambda seqs: token_logprobs(load(torch.bfloat16), seqs, device, temperature=args.temperature),
-        "bf16+fp32_head": lambda seqs: token_logprobs(with_fp32(load(torch.bfloat16), ("lm_head",)), seqs, device,
+        "fp32": lambda seqs: sequence_logprobs(load(torch.float32), seqs, device, temperature=args.temperature),
+        "autocast": lambda seqs: sequence_logprobs(load(torch.float32), seqs, device, True, args.temperature),
+        "bf16": lambda seqs: sequence_logprobs(load(torch.bfloat16), seqs, device, temperature=args.temperature),
+        "bf16+fp32_head": lambda seqs: sequence_logprobs(with_fp32(load(torch.bfloat16), ("lm_head",)), seqs, device,
                                                       temperature=args.temperature),
-        "bf16+fp32_norm": lambda seqs: token_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), seqs, device,
+        "bf16+fp32_norm": lambda seqs: sequence_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), seqs, device,
                                                       temperature=args.temperature),
         "trainer": lambda seqs: trainer_logprobs(trainer, seqs, device, args.temperature),
         "trainer_fp32": lambda seqs: trainer_logprobs(trainer_fp32, seqs, device, args.temperature),

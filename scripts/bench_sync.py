@@ -5,7 +5,7 @@ started (tensor parallel --tp, one replica per --tp ranks), then the training lo
 sleep, update_weights (wake, sync, wake). Each cycle is run --iters times per sleep level, in one run:
   0: no sleep, the pure transfer (what the sync costs at best);
   1: weights parked in CPU memory by sleep and copied back by the wake-up, only to be overwritten;
-  2: weights dropped by sleep, the wake-up maps empty memory and the sync fills it (the training loop's default).
+  2: weights dropped by sleep, the wake-up maps empty memory and the sync fills it (--rollout-sleep-level 2).
 The time of an iteration is the slowest rank's; the report gives medians per level (sleep, wake, transfer, and the
 in-loop sync = wake + transfer, as the training loop logs it), their ratio to the pure transfer, and the check of
 the last sync at every level (check_weight_sync).

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
 from common.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
@@ -36,11 +36,9 @@ from common.logprobs import packed_token_logprobs, use_packed_attention  # noqa:
 from common.perf import mfu, peak_flops  # noqa: E402
 from common.distributed import init_distributed  # noqa: E402
 from common.model import compile_decoder_layers, shard_model, token_logprobs  # noqa: E402
-from scripts.random_model import SHAPES as QWEN_SHAPES  # noqa: E402
+from scripts.random_model import SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402
 
-# Qwen2.5 architectures, SmolLM2-135M's (a Llama) and a tiny one for the CPU smoke test.
-SHAPES = {**QWEN_SHAPES, "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)}
+# Besides Qwen2.5's architectures and a tiny one for CPU smoke tests (scripts/random_model.py): SmolLM2-135M's.
 LLAMA_SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                              num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5)}
 # Defaults that fit one 80 GB H100 without activation checkpointing: the packed token budget, and the padded
@@ -147,17 +145,15 @@ def write_profile(prof, path: str, device) -> None:
     counted twice), then by host time, then the totals: busy device time against the step's wall time shows how
     much of the step the GPU sits idle waiting for the host to launch work."""
     events = prof.key_averages()
-    on_device = device.type == "cuda"
-    sort_device = "self_cuda_time_total" if on_device else "self_cpu_time_total"
     lines = [f"# torch.profiler summary of one training step ({device})", ""]
-    if on_device:
+    if device.type == "cuda":
         kernels = [e for e in events if e.device_type.name == "CUDA" and not e.is_user_annotation]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6  # us -> s; one stream, so no overlap
         wall = max(e.time_range.end for e in prof.events()) - min(e.time_range.start for e in prof.events())
         kernels = sum(e.count for e in kernels)
         lines += [f"device busy {busy:.3f} s of the step's {wall / 1e6:.3f} s ({busy / (wall / 1e6):.0%}); "
                   f"{kernels} kernel launches", ""]
-        lines += ["## by device time", events.table(sort_by=sort_device, row_limit=30), ""]
+        lines += ["## by device time", events.table(sort_by="self_cuda_time_total", row_limit=30), ""]
     lines += ["## by host time", events.table(sort_by="self_cpu_time_total", row_limit=30)]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
@@ -185,7 +181,7 @@ def bench_shape(shape: str, args, device) -> dict:
     if shape in LLAMA_SHAPES:
         config = LlamaConfig(**LLAMA_SHAPES[shape], max_position_embeddings=8192)
     else:
-        config = Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+        config = qwen2_config(shape)
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -218,7 +214,8 @@ def bench_shape(shape: str, args, device) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=sorted({**SHAPES, **LLAMA_SHAPES}), default=["0.5b", "1.5b"])
+    parser.add_argument("--shapes", nargs="+", choices=sorted([*QWEN_SHAPES, *LLAMA_SHAPES]),
+                        default=["0.5b", "1.5b"])
     parser.add_argument("--modes", nargs="+", choices=["packed", "padded", "compiled"], default=["packed", "padded"],
                         help="compiled: packed with each decoder layer torch.compiled (runs after the others)")
     parser.add_argument("--num-samples", type=int, default=256, help="samples per step (one optimizer step)")

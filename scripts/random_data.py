@@ -18,10 +18,9 @@ A pair packs 2 x prompt + chosen + rejected tokens: 342.5 on average (median 275
 Lengths are drawn independently, linearly between those percentiles (means within 3% of the measured ones); the
 measured correlations (chosen with rejected 0.26, prompt with chosen 0.28) are left out.
 
-The text is single digits separated by spaces: each digit is one token under random_model.py's word-level tokenizer,
-and also under the Qwen2 tokenizer that transformers 5's AutoTokenizer builds in its place for a qwen2 config (it
-ignores the saved word-level tokenizer: a filler word like "w123" becomes the 3 tokens "1", "2", "3", the letters
-dropped). Neither adds a BOS, so a prompt of N digits is N tokens either way.
+The text is single digits separated by spaces: each digit is one token under random_model.py's word-level tokenizer
+(and under Qwen2's BPE, should a model directory's tokenizer be rebuilt as that), with no BOS added, so a prompt of N
+digits is N tokens.
 """
 
 import argparse
