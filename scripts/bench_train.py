@@ -8,6 +8,8 @@ advantage-weighted token-mean loss, backward, AdamW. Both modes see the same bat
   attention, the LM head in chunks on the response positions only;
 - padded: --padded-micro-batch samples per micro-batch in arrival order, right-padded to their longest, sdpa with a
   padding mask and full float32 logits (common/model.token_logprobs): the naive step.
+- synced: packed, reading five statistics of each micro-batch back to the host (`.item()`), as the training loops
+  of grpo.py, ppo.py and dpo.py did: what a host sync per micro-batch costs.
 - compiled: packed, with each decoder layer's forward torch.compiled (common/model.compile_decoder_layers); the
   log-probs of a few samples before and after compiling are compared.
 Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time / peak), padding fraction and peak
@@ -57,7 +59,8 @@ def sample_batch(num_samples: int, prompt_len: int, median: int, sigma: float, c
                  advantage=float(torch.randn(1, generator=g))) for n in lengths]
 
 
-def packed_step(model, optimizer, samples, max_tokens: int, chunk_tokens: int, device) -> list[list[int]]:
+def packed_step(model, optimizer, samples, max_tokens: int, chunk_tokens: int, device,
+                host_syncs: int = 0) -> list[list[int]]:
     lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     num_scored = sum(len(s["response_ids"]) for s in samples)
     plan = plan_micro_batches(lengths, max_tokens)
@@ -68,7 +71,10 @@ def packed_step(model, optimizer, samples, max_tokens: int, chunk_tokens: int, d
         logprobs, _ = packed_token_logprobs(model, packed, temperature=1.0, chunk_tokens=chunk_tokens)  # [scored]
         advantages = torch.tensor([s["advantage"] for s in mb_samples]).repeat_interleave(
             torch.tensor(packed["num_scored"])).to(device)
-        (-(logprobs * advantages).sum() / num_scored).backward()
+        loss = -(logprobs * advantages).sum() / num_scored
+        loss.backward()
+        for _ in range(host_syncs):  # each waits for the GPU to finish everything queued so far
+            loss.item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return plan
@@ -98,7 +104,8 @@ def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]],
     """The first batch warms up (allocator, kernels); the others are timed. OOM is reported, not raised."""
     def step(samples):
         if mode != "padded":
-            return packed_step(model, optimizer, samples, args.max_tokens[shape], args.chunk_tokens, device)
+            return packed_step(model, optimizer, samples, args.max_tokens[shape], args.chunk_tokens, device,
+                               host_syncs=5 if mode == "synced" else 0)
         return padded_step(model, optimizer, samples, args.padded_micro_batch[shape], device)
 
     try:
@@ -193,9 +200,9 @@ def bench_shape(shape: str, args, device) -> dict:
     for mode in sorted(args.modes, key=lambda m: m == "compiled"):  # compiling changes the model: last
         if mode == "compiled":  # packed, with each decoder layer compiled from here on (modes run in order)
             results["compiled_vs_eager_logprobs"] = compile_and_compare(model, batches[0], args, device)
-        if mode in ("packed", "compiled") and args.packed_attention == "auto":
+        if mode != "padded" and args.packed_attention == "auto":
             results["packed_attention"] = use_packed_attention(model, device)
-        elif mode in ("packed", "compiled"):
+        elif mode != "padded":
             results["packed_attention"] = args.packed_attention
             model.set_attn_implementation(args.packed_attention)
         else:
@@ -204,8 +211,9 @@ def bench_shape(shape: str, args, device) -> dict:
         print(f"{shape} {mode}: {json.dumps(results[mode])}", flush=True)
     if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("padded", {}):
         results["packed_speedup"] = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
-    if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("compiled", {}):
-        results["compiled_speedup"] = results["compiled"]["tokens_per_s"] / results["packed"]["tokens_per_s"]
+    for mode, name in (("synced", "synced_over_packed"), ("compiled", "compiled_speedup")):  # tokens/s ratios
+        if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get(mode, {}):
+            results[name] = results[mode]["tokens_per_s"] / results["packed"]["tokens_per_s"]
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -216,8 +224,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=sorted([*QWEN_SHAPES, *LLAMA_SHAPES]),
                         default=["0.5b", "1.5b"])
-    parser.add_argument("--modes", nargs="+", choices=["packed", "padded", "compiled"], default=["packed", "padded"],
-                        help="compiled: packed with each decoder layer torch.compiled (runs after the others)")
+    parser.add_argument("--modes", nargs="+", choices=["packed", "padded", "synced", "compiled"],
+                        default=["packed", "padded"],
+                        help="synced: packed with five .item() reads per micro-batch; compiled: packed with each "
+                             "decoder layer torch.compiled (runs after the others)")
     parser.add_argument("--num-samples", type=int, default=256, help="samples per step (one optimizer step)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
     parser.add_argument("--prompt-len", type=int, default=256)

@@ -21,6 +21,7 @@ step). Step time is the optimizer step's wall time without evaluation on both si
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--trl-micro-batch", type=int, default=8, help="TRL's per-device batch (gradient accumulation "
                    "makes up the step); ours packs by tokens")
+    p.add_argument("--ours-flags", default="", help='more flags for our script, e.g. "--compile '
+                   '--max-tokens-per-micro-batch 65536" (recorded in summary.json)')
     p.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)  # the TRL side, in its own process
     p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
@@ -87,7 +90,8 @@ def ours_command(args, seed: int, out: str, port: int) -> list[str]:
         script = "dpo.py"
         common += ["--beta", str(args.beta), "--pairs-per-step", str(args.pairs_per_step), "--max-len",
                    str(args.max_len), "--ref-cache", os.path.join(out, "ref_cache")]
-    return ["torchrun", "--nproc_per_node", "1", "--master-port", str(port), os.path.join(ROOT, script), *common]
+    return ["torchrun", "--nproc_per_node", "1", "--master-port", str(port), os.path.join(ROOT, script), *common,
+            *shlex.split(args.ours_flags)]
 
 
 # ----------------------------------------------------------------------------------------------------- TRL side

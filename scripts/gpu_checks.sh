@@ -12,6 +12,7 @@
 #   bash scripts/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
 #   bash scripts/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 1, 2, 1 on one machine
 #                                                        # (12 steps each): does level 2 change anything but the sync?
+#                                                        # BASELINE=DIR adds an older checkout's grpo.py at level 1
 #   bash scripts/gpu_checks.sh dpo OUTDIR [GPU]          # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
@@ -96,10 +97,17 @@ if [ "$mode" = one ]; then
     for s in 0.5b 1.5b 7b; do sync $s 1 $b; done ) &
   wait
 elif [ "$mode" = levels ]; then
-  # A B A, so drift of the machine over the runs shows as a difference between the two level-1 runs.
-  for run_level in 1a 2 1b; do
-    run grpo_level$run_level 200 ${3:-0} torchrun --standalone --nproc_per_node 1 $GRPO --steps 12 --eval-every 0 \
-      --rollout-eager --rollout-sleep-level ${run_level:0:1} --output-dir /tmp/g_level$run_level
+  # Level 1, (BASELINE's,) level 2, level 1 again: drift of the machine over the runs shows as a difference between
+  # the two level-1 runs. BASELINE: the directory of an older checkout (e.g. `git archive` of the commit before a
+  # refactor), whose grpo.py runs with the same flags at its own sleep level (1) in between. RUNS picks some of them.
+  for run_level in ${RUNS:-1a ${BASELINE:+base} 2 1b}; do
+    if [ $run_level = base ]; then
+      cmd="$BASELINE/grpo.py ${SMALL/--skip-reward-check/}"  # flags the older grpo.py lacks are left out
+    else
+      cmd="$GRPO --rollout-sleep-level ${run_level:0:1}"
+    fi
+    run grpo_level$run_level 200 ${3:-0} torchrun --standalone --nproc_per_node 1 $cmd --steps 12 --eval-every 0 \
+      --rollout-eager --output-dir /tmp/g_level$run_level
     summary grpo_level$run_level /tmp/g_level$run_level | tail -n 2
   done
 elif [ "$mode" = two ]; then
