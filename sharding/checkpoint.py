@@ -2,8 +2,9 @@
 
 Each parameter is gathered one at a time and offloaded to CPU (torch.distributed.checkpoint's full state dict with
 cpu_offload), so no GPU ever holds more than one full tensor; rank 0 writes safetensors, config and tokenizer, and
-checks that `AutoTokenizer` reads the tokenizer back as the one that trained (transformers picks a tokenizer class
-by model type, which for some types ignores the saved tokenizer: the model would then load with other token ids).
+checks that the tokenizer reads back, as our scripts load a --model (common.model.load_tokenizer), as the one that
+trained (transformers picks a tokenizer class by model type, which for some types ignores the saved tokenizer: the
+model would then load with other token ids).
 """
 
 import json
@@ -18,10 +19,11 @@ from common.distributed import raise_on_all_ranks
 
 
 def check_tokenizer_round_trip(tokenizer, path: str, probes: list[str]) -> None:
-    """Raises if AutoTokenizer.from_pretrained(path) encodes `probes` differently from `tokenizer`."""
-    from transformers import AutoTokenizer
+    """Raises if the tokenizer saved in `path`, loaded as a --model's is (AutoTokenizer, or the saved pipeline where
+    AutoTokenizer would rebuild it as the model type's own class), encodes `probes` differently from `tokenizer`."""
+    from common.model import load_tokenizer
 
-    loaded = AutoTokenizer.from_pretrained(path)
+    loaded = load_tokenizer(path)
     for text in probes:
         if loaded(text)["input_ids"] != tokenizer(text)["input_ids"]:
             raise ValueError(f"the tokenizer saved in {path} loads back as {type(loaded).__name__}, which encodes "

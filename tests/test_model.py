@@ -37,3 +37,21 @@ def test_a_word_level_tokenizer_loads_back_as_saved(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")  # the source check wants weights; no model is loaded here
     tokenizer = load_tokenizer(str(tmp_path))
     assert tokenizer("w100 w200")["input_ids"] == [100, 200]
+
+
+def test_export_tokenizer_check_reads_back_as_the_scripts_load(tmp_path):
+    """An export of a random-weight model (qwen2 config, word-level tokenizer) passes the export's round-trip check
+    (it failed every export of these models: the check read the tokenizer back with AutoTokenizer alone, as Qwen2's
+    BPE); a saved tokenizer that encodes a probe differently still fails it."""
+    from transformers import Qwen2Config
+
+    from scripts.random_model import full_vocab_tokenizer
+    from sharding.checkpoint import check_tokenizer_round_trip
+
+    Qwen2Config(vocab_size=1000).save_pretrained(tmp_path)
+    full_vocab_tokenizer(1000).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_tokenizer_round_trip(full_vocab_tokenizer(1000), str(tmp_path), ["w100 w700 w999"])
+    full_vocab_tokenizer(500).save_pretrained(tmp_path)  # w700 is unknown to it
+    with pytest.raises(ValueError, match="encodes 'w100 w700 w999' differently"):
+        check_tokenizer_round_trip(full_vocab_tokenizer(1000), str(tmp_path), ["w100 w700 w999"])
