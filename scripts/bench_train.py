@@ -9,7 +9,7 @@ advantage-weighted token-mean loss, backward, AdamW. Both modes see the same bat
 - padded: --padded-micro-batch samples per micro-batch in arrival order, right-padded to their longest, sdpa with a
   padding mask and full float32 logits (common/model.token_logprobs): the naive step.
 - synced: packed, reading five statistics of each micro-batch back to the host (`.item()`), as the training loops
-  of grpo.py, ppo.py and dpo.py did: what a host sync per micro-batch costs.
+  of grpo.py, ppo.py and dpo.py do: what a host sync per micro-batch costs.
 - compiled: packed, with each decoder layer's forward torch.compiled (common/model.compile_decoder_layers); the
   log-probs of a few samples before and after compiling are compared.
 Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time / peak), padding fraction and peak
