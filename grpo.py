@@ -12,8 +12,8 @@ Training runs under FSDP2 on packed token-budget micro-batches; rollouts come fr
 model itself (HF generate) on CPU, on every rank (colocated, the default) or on `--rollout-ranks K` ranks of their
 own (split placement), which with `--async-rollout` generate the next batch while the trainers train on this one,
 one update behind, corrected by truncated importance sampling (`--tis-cap`). Where samples come from is
-common/rollouts.py's business; this file is the algorithm.
-Left out on purpose: DAPO's dynamic sampling (refilling the batch with informative groups), overlong reward shaping.
+common/rollouts.py's business; this file is the algorithm. Left out on purpose: DAPO's dynamic sampling (refilling
+the batch with informative groups), overlong reward shaping.
 
     torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
@@ -92,9 +92,8 @@ class Args:
     rollout_eager: bool = False
     """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
     rollout_sleep_level: int = 1
-    """how colocated vLLM sleeps while the trainer runs: 1 parks its weights in CPU memory (wake-up copies them
-    back, then the sync overwrites them); 2 drops them and the sync loads the policy into fresh memory, which
-    makes sleep and sync about 4x faster at 7B (benchmarks/README.md; --check-weight-sync verifies it)"""
+    """how colocated vLLM sleeps while the trainer runs: 1 parks its weights in CPU memory; 2 drops them (the sync
+    reloads them): sleep + sync 4.7x faster at 7B, no gain at 0.5B (benchmarks/README.md)"""
     sync_bucket_mb: int = 512
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False
@@ -149,9 +148,8 @@ class Args:
     max_tokens_per_micro_batch: int = 16384
     """token budget of one forward/backward pass: sequences are packed end to end (no padding) up to this many"""
     tis_cap: float | None = None
-    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
-    rollout engine's numerical mismatch and, with --async-rollout, its older weights; unset: off, or 2 with
-    --async-rollout"""
+    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) against the rollout
+    engine's numerical mismatch and its older weights with --async-rollout; unset: off, or 2 with --async-rollout"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
     compile: bool = False
@@ -274,12 +272,11 @@ def add_group_advantages(samples: list[dict], args: Args) -> None:
 
 
 def update_policy(model, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict[str, float]:
-    """PPO-style epochs over mini-batches of the rollout batch; one optimizer step per mini-batch.
-
-    Each mini-batch runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on
-    all ranks, so the gradient does not depend on how it is split. Samples are shuffled with `generator` each
-    epoch (None keeps their order). Returns this rank's sums of the update's statistics.
-    """
+    """PPO-style epochs over mini-batches of the rollout batch; one optimizer step per mini-batch. Each mini-batch
+    runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on all ranks, so the
+    gradient does not depend on how it is split. Samples are shuffled with `generator` each epoch (None keeps their
+    order). Returns this rank's sums of the update's statistics."""
+    samples = [s for s in samples if s["loss_weight"] > 0]  # no signal: exact zeros in every sum, so no passes
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for _ in range(args.epochs):
         order = torch.randperm(len(samples), generator=generator) if generator is not None else torch.arange(len(samples))
@@ -333,6 +330,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
         "truncated": sum(not s["finished"] for s in generated),
         "informative": sum(s["loss_weight"] > 0 for s in generated), "total_tokens": sum(lengths),
+        "trained_tokens": sum(n for s, n in zip(samples, lengths) if s["loss_weight"] > 0),
         "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples),
         "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
     count, tokens, opt_steps = sums["count"], max(sums["response_tokens"], 1), max(sums["opt_steps"] / world, 1)
@@ -345,7 +343,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "loss/policy": sums["loss"] / world / opt_steps, "loss/kl": sums["kl"] / trained,
         "policy/clip_frac": sums["pg_clipfrac"] / trained, "policy/entropy": sums["entropy"] / trained,
         "policy/grad_norm": sums["grad_norm"] / world / opt_steps, "update/skipped": sums["skipped"] / world,
-        "total_tokens": sums["total_tokens"],
+        "total_tokens": sums["total_tokens"], "trained_tokens": sums["trained_tokens"],
         **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
     if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
         metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
@@ -396,7 +394,6 @@ def main():
         use_packed_attention(reference, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
-
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "
@@ -406,8 +403,7 @@ def main():
     timer = StageTimer(device)
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,
                         logger, timer)
-    # Installed after the engine, which may set handlers of its own: SIGTERM and Ctrl-C now mean "finish the step,
-    # save, stop" (common/signals.py).
+    # After the engine (it may set handlers of its own): SIGTERM and Ctrl-C now mean finish the step, save, stop.
     install_stop_handlers()
     bad_steps = BadStepCounter(args.max_bad_steps)
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
@@ -458,10 +454,11 @@ def main():
         metrics.update(step_metrics(samples, generated, stats, args, world, device))
         bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
         total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
+        trained = metrics.pop("trained_tokens") * args.epochs  # the update passes only samples with signal
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "time/step": step_seconds,
                         "perf/tokens_per_s": total_tokens / step_seconds,
-                        "perf/train_tokens_per_s": total_tokens * args.epochs / timer.seconds["time/update"]})
-        if (train_mfu := mfu(num_params, total_tokens * args.epochs, timer.seconds["time/update"], peak, world)):
+                        "perf/train_tokens_per_s": trained / timer.seconds["time/update"]})
+        if (train_mfu := mfu(num_params, trained, timer.seconds["time/update"], peak, world)):
             metrics["perf/mfu"] = train_mfu
         if training_memory is not None:  # the step's peak on the fullest GPU: generating or training, all included
             metrics["perf/peak_memory_gb"] = max_over_ranks(

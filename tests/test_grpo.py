@@ -165,3 +165,42 @@ def test_nan_gradient_skips_the_update(tmp_path):
     launcher.spawn(nan_update, args=(free_port(), str(tmp_path)), nprocs=1)
     result = torch.load(tmp_path / "nan.pt")
     assert result == {"skipped": 1, "unchanged": True, "adam_state": 0}  # no step taken, Adam's moments untouched
+
+
+def update_with_and_without_silent_groups(rank: int, port: int, out_dir: str):
+    """The update on a batch whose odd samples have loss weight 0 (groups without signal), and on the even samples
+    alone, from the same weights; records which sequences went through the model."""
+    init_gloo(0, 1, port)
+    passed, results = [], {}
+    packed = grpo.packed_response_logprobs
+
+    def spy(model, samples, *args, **kwargs):
+        passed.extend(len(s["response_ids"]) + len(s["prompt_ids"]) for s in samples)
+        return packed(model, samples, *args, **kwargs)
+
+    grpo.packed_response_logprobs = spy
+    for name in ("mixed", "informative"):
+        model = shard_model(tiny_model(), torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        samples = fixed_batch()
+        for i, s in enumerate(samples):
+            s["loss_weight"] = float(i % 2 == 0)
+        if name == "informative":
+            samples = samples[::2]
+        for s, lp in zip(samples, compute_logprobs(model, samples, 64, 1.0, torch.device("cpu"))):
+            s["old_logprobs"] = lp - 0.05
+        passed.clear()
+        grpo.update_policy(model, optimizer, samples, grpo.Args(max_response_len=4), 1, torch.device("cpu"), None)
+        results[name] = {"passed": list(passed),
+                         "state": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+    torch.save(results, os.path.join(out_dir, "silent.pt"))
+    finish_gloo()
+
+
+def test_samples_without_signal_get_no_pass_and_change_nothing(tmp_path):
+    launcher.spawn(update_with_and_without_silent_groups, args=(free_port(), str(tmp_path)), nprocs=1)
+    results = torch.load(tmp_path / "silent.pt")
+    informative_lengths = sorted(len(s["prompt_ids"]) + len(s["response_ids"]) for s in fixed_batch()[::2])
+    assert sorted(results["mixed"]["passed"]) == informative_lengths  # the zero-weight half never ran
+    for name, weight in results["informative"]["state"].items():
+        torch.testing.assert_close(results["mixed"]["state"][name], weight)  # old log-probs packed two ways
