@@ -153,8 +153,7 @@ class Args:
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
     compile: bool = False
-    """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
-    fused kernels, which small models gain most from; the first steps take longer while it compiles"""
+    """torch.compile each decoder layer (dynamic shapes, for packed rows): fused kernels, most gain for small models"""
     precision: Literal["bf16", "fp32"] = "bf16"
     """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides, whose
     log-probs agree far more closely (bf16 puts each side about 0.03 per token off exact on a real model; vLLM in
@@ -323,29 +322,30 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
 def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: Args, world: int, device) -> dict:
     """Collective: what is logged of a step, over all ranks. generated: the samples as they came from the rollout
     (before they were shared out for training); samples: this rank's training share, with its log-probs."""
-    lengths = sample_lengths(samples)
-    tis = tis_metrics([s["old_logprobs"] for s in samples], [s["logprobs"] for s in samples], args.tis_cap or 1.0)
+    lengths, scored = sample_lengths(samples), [s for s in samples if "old_logprobs" in s]  # groups with signal
+    tis = tis_metrics([s["old_logprobs"] for s in scored], [s["logprobs"] for s in scored], args.tis_cap or 1.0)
     sums = sum_over_ranks({
         "reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
         "truncated": sum(not s["finished"] for s in generated),
         "informative": sum(s["loss_weight"] > 0 for s in generated), "total_tokens": sum(lengths),
         "trained_tokens": sum(n for s, n in zip(samples, lengths) if s["loss_weight"] > 0),
-        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples),
+        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in scored),
+        "scored": sum(len(s["response_ids"]) for s in scored),
         "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
-    count, tokens, opt_steps = sums["count"], max(sums["response_tokens"], 1), max(sums["opt_steps"] / world, 1)
+    count, tokens, opt_steps = sums["count"], max(sums["scored"], 1), max(sums["opt_steps"] / world, 1)
     trained = max(sums["tokens"], 1)
     metrics = {
         "reward/mean": sums["reward"] / count, "reward/accuracy": sums["correct"] / count,
         "reward/informative_frac": sums["informative"] / count,
         "response/length_mean": sums["response_tokens"] / count, "response/truncated_frac": sums["truncated"] / count,
-        "rollout/logprob_diff": sums["lp_diff"] / tokens,
+        **({"rollout/logprob_diff": sums["lp_diff"] / tokens} if sums["scored"] else {}),  # on the trained tokens
         "loss/policy": sums["loss"] / world / opt_steps, "loss/kl": sums["kl"] / trained,
         "policy/clip_frac": sums["pg_clipfrac"] / trained, "policy/entropy": sums["entropy"] / trained,
         "policy/grad_norm": sums["grad_norm"] / world / opt_steps, "update/skipped": sums["skipped"] / world,
         "total_tokens": sums["total_tokens"], "trained_tokens": sums["trained_tokens"],
         **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
-    if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
+    if args.tis_cap is not None and sums["scored"]:  # the truncated importance weights min(p_old / p_rollout, cap)
         metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
                         "tis/ratio_max": max_over_ranks(tis["tis_ratio_max"], device)})
     return metrics
@@ -430,14 +430,14 @@ def main():
         # Every rank takes about the same token work: samples move between ranks (the loss is a global mean anyway).
         samples, _ = share_samples_evenly(generated, sample_lengths(generated), world, rank)
 
-        # 4. Log-probs of the sampled tokens under the current (old) policy and the reference.
+        # 4. Log-probs of the sampled tokens under the current (old) policy and the reference (groups with signal).
         training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
         with timer("logprobs"):
-            budget = args.max_tokens_per_micro_batch
-            for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
+            budget, kept = args.max_tokens_per_micro_batch, [s for s in samples if s["loss_weight"] > 0]
+            for s, lp in zip(kept, compute_logprobs(policy, kept, budget, args.temperature, device)):
                 s["old_logprobs"] = lp
             if reference is not None:
-                for s, lp in zip(samples, compute_logprobs(reference, samples, budget, args.temperature, device)):
+                for s, lp in zip(kept, compute_logprobs(reference, kept, budget, args.temperature, device)):
                     s["ref_logprobs"] = lp
 
         # 5. Policy update.

@@ -169,7 +169,8 @@ def test_split_placement_syncs_exact_weights(tmp_path):
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert all(r["rollout/logprob_diff"] < 1e-5 for r in steps), [r["rollout/logprob_diff"] for r in steps]
+    diffs = [r["rollout/logprob_diff"] for r in steps if "rollout/logprob_diff" in r]  # absent: no group had signal
+    assert diffs and all(d < 1e-5 for d in diffs), diffs
     assert all(r["rollout/staleness_max"] == 0 for r in steps)
     assert [r["eval/version"] for r in rows if "eval/version" in r] == [0, 2, 4]
     assert (out / "hf_step_4").exists()
@@ -198,11 +199,13 @@ def test_async_split_learns_the_builtin_task(tmp_path, builtin_sync_run):
     reached = [version for version, accuracy in sorted(evals.items()) if accuracy >= target]
     assert reached and reached[0] <= 150, (target, sync_evals, evals)
     steps = [r for r in rows if "reward/mean" in r]
-    assert steps[0]["rollout/staleness_mean"] == 0 and steps[0]["rollout/logprob_diff"] < 1e-5
+    assert steps[0]["rollout/staleness_mean"] == 0 and steps[0].get("rollout/logprob_diff", 0) < 1e-5
     assert all(r["rollout/staleness_mean"] == 1 and r["rollout/staleness_max"] == 1 for r in steps[1:])
     # One update behind: the behaviour log-probs differ from the trainer's, and the weights average about 1.
-    assert sum(r["rollout/logprob_diff"] for r in steps[1:]) / (len(steps) - 1) > 1e-3
-    assert all(0.5 < r["tis/weight_mean"] <= 2.0 and 0 <= r["tis/capped_frac"] < 0.5 for r in steps)
+    scored = [r for r in steps[1:] if "rollout/logprob_diff" in r]  # steps where some group had signal
+    assert len(scored) > len(steps) / 2 and sum(r["rollout/logprob_diff"] for r in scored) / len(scored) > 1e-3
+    assert all(0.5 < r["tis/weight_mean"] <= 2.0 and 0 <= r["tis/capped_frac"] < 0.5 for r in steps
+               if "tis/weight_mean" in r)
 
 
 def test_staleness_two_resume_and_switching_placement(tmp_path):
