@@ -322,14 +322,14 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
 def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: Args, world: int, device) -> dict:
     """Collective: what is logged of a step, over all ranks. generated: the samples as they came from the rollout
     (before they were shared out for training); samples: this rank's training share, with its log-probs."""
-    lengths, scored = sample_lengths(samples), [s for s in samples if "old_logprobs" in s]  # groups with signal
+    lengths, scored = sample_lengths(samples), [s for s in samples if s["loss_weight"] > 0]  # those trained on
     tis = tis_metrics([s["old_logprobs"] for s in scored], [s["logprobs"] for s in scored], args.tis_cap or 1.0)
     sums = sum_over_ranks({
         "reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
         "truncated": sum(not s["finished"] for s in generated),
         "informative": sum(s["loss_weight"] > 0 for s in generated), "total_tokens": sum(lengths),
-        "trained_tokens": sum(n for s, n in zip(samples, lengths) if s["loss_weight"] > 0),
+        "trained_tokens": sum(sample_lengths(scored)),
         "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in scored),
         "scored": sum(len(s["response_ids"]) for s in scored),
         "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)

@@ -100,9 +100,8 @@ class Args:
     rollout_eager: bool = False
     """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
     rollout_sleep_level: int = 1
-    """how colocated vLLM sleeps while the trainer runs: 1 parks its weights in CPU memory (wake-up copies them
-    back, then the sync overwrites them); 2 drops them and the sync loads the policy into fresh memory, which
-    makes sleep and sync about 4x faster at 7B (benchmarks/README.md; --check-weight-sync verifies it)"""
+    """how colocated vLLM sleeps while the trainer runs: 1 parks its weights in CPU memory; 2 drops them (the sync
+    reloads them): sleep + sync 4.7x faster at 7B, no gain at 0.5B (benchmarks/README.md)"""
     sync_bucket_mb: int = 512
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False

@@ -122,7 +122,8 @@ def main():
             "reward_s": median(split, "time/rollout_reward"), "train_s": median(split, *train_keys),
             "sync_s": median(split, "time/sync"), "wait_s": median(split, "time/rollout_wait"),
             "staleness_mean": statistics.mean(r["rollout/staleness_mean"] for r in split),
-            "tis_weight_mean": statistics.mean(r["tis/weight_mean"] for r in split if "tis/weight_mean" in r)}  # signal
+            # grpo.py leaves the TIS statistics out of a step where no group had signal
+            "tis_weight_mean": statistics.mean(r["tis/weight_mean"] for r in split if "tis/weight_mean" in r)}
         s["overlap_efficiency"] = max(s["generate_s"] + s["reward_s"], s["train_s"]) / s["step_s"]
         if "colocated" in rows:
             result["split_over_colocated_throughput"] = result["colocated"]["step_s"] / s["step_s"]

@@ -136,9 +136,9 @@ def main():
         "autocast": lambda seqs: sequence_logprobs(load(torch.float32), seqs, device, True, args.temperature),
         "bf16": lambda seqs: sequence_logprobs(load(torch.bfloat16), seqs, device, temperature=args.temperature),
         "bf16+fp32_head": lambda seqs: sequence_logprobs(with_fp32(load(torch.bfloat16), ("lm_head",)), seqs, device,
-                                                      temperature=args.temperature),
+                                                         temperature=args.temperature),
         "bf16+fp32_norm": lambda seqs: sequence_logprobs(with_fp32(load(torch.bfloat16), ("RMSNorm",)), seqs, device,
-                                                      temperature=args.temperature),
+                                                         temperature=args.temperature),
         "trainer": lambda seqs: trainer_logprobs(trainer, seqs, device, args.temperature),
         "trainer_fp32": lambda seqs: trainer_logprobs(trainer_fp32, seqs, device, args.temperature),
     }

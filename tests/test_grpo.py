@@ -170,7 +170,7 @@ def test_nan_gradient_skips_the_update(tmp_path):
 def update_with_and_without_silent_groups(rank: int, port: int, out_dir: str):
     """The update on a batch whose odd samples have loss weight 0 (groups without signal), and on the even samples
     alone, from the same weights; records which sequences went through the model."""
-    init_gloo(0, 1, port)
+    init_gloo(rank, 1, port)
     passed, results = [], {}
     packed = grpo.packed_response_logprobs
 
