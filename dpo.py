@@ -150,6 +150,8 @@ class Args:
     """linear learning-rate warmup over this many updates"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_beta2: float = 0.99
+    """AdamW's second-moment decay (0.999 is the usual default elsewhere)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     beta: float = 0.1
@@ -626,7 +628,7 @@ def main():
     for model in filter(None, [policy, reference, reward_model]):  # training passes run on packed rows
         use_packed_attention(model, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
-    optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
+    optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
 
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)

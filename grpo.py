@@ -52,8 +52,7 @@ class Args:
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """HF hub dataset name or a local .jsonl/.json/.parquet/.csv file (also compressed, e.g. .jsonl.gz); unset: the
-    built-in synthetic task"""
+    """HF hub dataset or a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz); unset: the built-in task"""
     dataset_config: str | None = None
     """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
     prompt_key: str = "prompt"
@@ -68,9 +67,8 @@ class Args:
     reward_fn: str | None = None
     """gsm8k, math, synthetic or path/to/file.py:function; unset: synthetic for the built-in task, else gsm8k"""
     reward_workers: int | None = None
-    """processes per rank that run the reward function, scoring each prompt's responses as soon as they are
-    generated, while the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response
-    at once)"""
+    """processes per rank that run the reward, scoring each prompt's responses as soon as they are generated, while
+    the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response at once)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
     system_prompt: str | None = None
@@ -102,8 +100,7 @@ class Args:
     """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
     trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
     async_rollout: bool = False
-    """with --rollout-ranks: generate the next batch while the trainers train on this one (off-policy by up to
-    --max-staleness updates, corrected with --tis-cap)"""
+    """with --rollout-ranks: generate the next batch while the trainers train on this one (corrected by --tis-cap)"""
     max_staleness: int = 1
     """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
     prompts_per_step: int = 16
@@ -128,6 +125,8 @@ class Args:
     """linear learning-rate warmup over this many updates"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_beta2: float = 0.99
+    """AdamW's second-moment decay (0.999 is the usual default elsewhere)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     clip_low: float = 0.2
@@ -138,9 +137,9 @@ class Args:
     """weight of the k3 KL penalty to the frozen initial policy; 0 loads no reference model"""
     scale_rewards: bool = True
     """divide advantages by the group's reward std (--no-scale-rewards: Dr. GRPO)"""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """how token losses become one number: mean over all tokens; mean over sequences of their token mean;
-    mean over sequences of their token sum / max-response-len (Dr. GRPO)"""
+    loss_agg: Literal["token-mean", "all-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """token losses to one number: mean over the tokens of groups with signal; their sum / all response tokens (TRL's
+    'dapo'); mean over sequences of their token mean; of their token sum / max-response-len (Dr. GRPO)"""
     num_mini_batches: int = 1
     """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
     epochs: int = 1
@@ -251,7 +250,7 @@ def aggregate_loss(token_loss, mask, mode: str, num_tokens: float, num_seqs: flo
     whatever the split.
     """
     masked = token_loss * mask
-    if mode == "token-mean":
+    if mode in ("token-mean", "all-token-mean"):  # num_tokens: of the groups with signal, or all of the batch
         return masked.sum() / num_tokens
     if mode == "seq-mean-token-mean":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
@@ -275,6 +274,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on all ranks, so the
     gradient does not depend on how it is split. Samples are shuffled with `generator` each epoch (None keeps their
     order). Returns this rank's sums of the update's statistics."""
+    batch_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in samples)}, device)["t"]  # all groups
     samples = [s for s in samples if s["loss_weight"] > 0]  # no signal: exact zeros in every sum, so no passes
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for _ in range(args.epochs):
@@ -287,6 +287,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                                      "seqs": sum(s["loss_weight"] > 0 for s in mini)}, device)
             if totals["tokens"] == 0:  # every group in this mini-batch had equal rewards, on every rank
                 continue
+            norm = batch_tokens / args.num_mini_batches if args.loss_agg == "all-token-mean" else totals["tokens"]
             for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
                 mbs = [mini[i] for i in mb]
                 logprobs, entropy = packed_response_logprobs(model, mbs, args.temperature, with_entropy=True)
@@ -303,8 +304,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                     tis = (old - pad_rows([s["logprobs"] for s in mbs]).to(device)).exp().clamp(max=args.tis_cap)
                 token_loss, clipped, kl = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high,
                                                       ref, args.kl_coef, tis)
-                loss = aggregate_loss(token_loss, mask, args.loss_agg, totals["tokens"], totals["seqs"],
-                                      args.max_response_len)
+                loss = aggregate_loss(token_loss, mask, args.loss_agg, norm, totals["seqs"], args.max_response_len)
                 (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
                 with torch.no_grad():
                     sums["loss"] += loss.item() * world
@@ -393,7 +393,7 @@ def main():
                                 compile_layers=args.compile, precision=args.precision)
         use_packed_attention(reference, device)
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
-    optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps)
+    optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "

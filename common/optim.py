@@ -6,9 +6,9 @@ import math
 import torch
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup_steps: int):
-    """AdamW (betas 0.9 / 0.99) and a LambdaLR that warms the learning rate up linearly over warmup_steps updates."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup_steps: int, beta2: float):
+    """AdamW (betas 0.9 / beta2) and a LambdaLR that warms the learning rate up linearly over warmup_steps updates."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
     return optimizer, scheduler
 

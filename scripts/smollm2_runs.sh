@@ -9,6 +9,8 @@
 #   ppo-addition       ppo.py, 64 prompts x 4 (256 responses a step), lr 1e-5, 60 steps
 #   dpo-online         dpo.py --online, 32 prompts x 8, best against worst, lr 3e-6, --sft-weight 1, 60 steps
 #   dpo-hh             dpo.py on HH-RLHF harmlessness: the first 2,000 pairs, the last 312 held out, one epoch
+#   ablate-grpo        scripts/ablate.py: grpo-addition and one change each (the loss normaliser, Adam's beta2,
+#                      TIS, no warmup, no gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
 #   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
 #   vs-trl-dpo         scripts/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
 #
@@ -19,24 +21,30 @@ cd "$(dirname "$0")/.."
 recipe=${1:?recipe}; out=${2:?output directory}; shift 2
 model=${MODEL:-/tmp/smollm2}; data=${DATA:-../shared/data}
 addition=(--model "$model" --dataset "$data/addition/train.jsonl" --prompt-key question --answer-key answer
-          --reward-fn gsm8k --eval-size 128 --max-response-len 512 --eval-every 10 --output-dir "$out")
+          --reward-fn gsm8k --eval-size 128 --max-response-len 512 --eval-every 10)
 gsm8k_template="{prompt}
 Let's think step by step and output the final answer after \"####\"."
 hh="$data/hh-rlhf/harmless-base-test.jsonl.gz"
 run=(torchrun --nproc_per_node 1 --master-port "${PORT:-29500}")
 case $recipe in
   grpo-addition) exec "${run[@]}" grpo.py "${addition[@]}" --prompts-per-step 32 --group-size 8 \
-                   --lr 1e-5 --steps 30 --rollout-gpu-memory 0.3 "$@" ;;
+                   --lr 1e-5 --steps 30 --rollout-gpu-memory 0.3 --output-dir "$out" "$@" ;;
   grpo-gsm8k) exec "${run[@]}" grpo.py --model "$model" --dataset "$data/gsm8k/train.jsonl" \
                    --prompt-key question --answer-key answer --reward-fn gsm8k --eval-size 128 \
                    --prompt-template "$gsm8k_template" --max-response-len 512 --prompts-per-step 32 --group-size 8 \
                    --lr 1e-5 --steps 30 --eval-every 10 --rollout-gpu-memory 0.3 --output-dir "$out" "$@" ;;
   ppo-addition) exec "${run[@]}" ppo.py "${addition[@]}" --prompts-per-step 64 --group-size 4 \
-                   --lr 1e-5 --steps 60 --rollout-gpu-memory 0.2 "$@" ;;
+                   --lr 1e-5 --steps 60 --rollout-gpu-memory 0.2 --output-dir "$out" "$@" ;;
   dpo-online) exec "${run[@]}" dpo.py --online "${addition[@]}" --prompts-per-step 32 --group-size 8 \
-                   --lr 3e-6 --sft-weight 1.0 --steps 60 --rollout-gpu-memory 0.2 "$@" ;;
+                   --lr 3e-6 --sft-weight 1.0 --steps 60 --rollout-gpu-memory 0.2 --output-dir "$out" "$@" ;;
   dpo-hh) exec "${run[@]}" dpo.py --model "$model" --dataset "$hh" --eval-size 312 --lr 5e-6 \
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
+  ablate-grpo) exec python scripts/ablate.py --out "$out" --seeds 1 2 --parallel "${PARALLEL:-14}" --base \
+                   "grpo.py $(printf '%q ' "${addition[@]}") --prompts-per-step 32 --group-size 8 --lr 1e-5 \
+                   --steps 30 --rollout-gpu-memory 0.045 --rollout-eager" --variant base= \
+                   --variant all-token-mean="--loss-agg all-token-mean" --variant adam-beta2-0.999="--adam-beta2 0.999" \
+                   --variant tis-cap-3="--tis-cap 3" --variant warmup-0="--warmup-steps 0" \
+                   --variant no-grad-clip="--max-grad-norm 1e9" --variant fp32="--precision fp32" "$@" ;;
   vs-trl-grpo) exec python scripts/bench_vs_trl.py grpo --model "$model" --data "$data/addition/train.jsonl" \
                    --gpus "${GPUS:-0}" --out "$out" "$@" ;;
   vs-trl-dpo)    exec python scripts/bench_vs_trl.py dpo --model "$model" --data "$hh" --gpus "${GPUS:-0}" \

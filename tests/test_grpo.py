@@ -179,8 +179,9 @@ def update_with_and_without_silent_groups(rank: int, port: int, out_dir: str):
         return packed(model, samples, *args, **kwargs)
 
     grpo.packed_response_logprobs = spy
-    for name in ("mixed", "informative"):
+    for name in ("mixed", "informative", "all-token-mean"):  # the last: the mixed batch, normalised by all its tokens
         model = shard_model(tiny_model(), torch.device("cpu"))
+        results["initial"] = {"state": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         samples = fixed_batch()
         for i, s in enumerate(samples):
@@ -190,17 +191,26 @@ def update_with_and_without_silent_groups(rank: int, port: int, out_dir: str):
         for s, lp in zip(samples, compute_logprobs(model, samples, 64, 1.0, torch.device("cpu"))):
             s["old_logprobs"] = lp - 0.05
         passed.clear()
-        grpo.update_policy(model, optimizer, samples, grpo.Args(max_response_len=4), 1, torch.device("cpu"), None)
+        args = grpo.Args(max_response_len=4, loss_agg="all-token-mean" if name == "all-token-mean" else "token-mean")
+        grpo.update_policy(model, optimizer, samples, args, 1, torch.device("cpu"), None)
         results[name] = {"passed": list(passed),
                          "state": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
     torch.save(results, os.path.join(out_dir, "silent.pt"))
     finish_gloo()
 
 
-def test_samples_without_signal_get_no_pass_and_change_nothing(tmp_path):
+def test_samples_without_signal_get_no_pass_and_change_nothing_and_all_token_mean_scales(tmp_path):
     launcher.spawn(update_with_and_without_silent_groups, args=(free_port(), str(tmp_path)), nprocs=1)
     results = torch.load(tmp_path / "silent.pt")
     informative_lengths = sorted(len(s["prompt_ids"]) + len(s["response_ids"]) for s in fixed_batch()[::2])
     assert sorted(results["mixed"]["passed"]) == informative_lengths  # the zero-weight half never ran
     for name, weight in results["informative"]["state"].items():
         torch.testing.assert_close(results["mixed"]["state"][name], weight)  # old log-probs packed two ways
+    # --loss-agg all-token-mean divides the same sum by every response token of the batch: with SGD, the step is the
+    # signal-only step scaled by (tokens of groups with signal) / (all response tokens).
+    batch = fixed_batch()
+    scale = sum(len(s["response_ids"]) for s in batch[::2]) / sum(len(s["response_ids"]) for s in batch)
+    assert scale < 0.9
+    for name, initial in results["initial"]["state"].items():
+        torch.testing.assert_close(results["all-token-mean"]["state"][name] - initial,
+                                   scale * (results["informative"]["state"][name] - initial), rtol=1e-4, atol=1e-6)
