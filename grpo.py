@@ -86,7 +86,8 @@ class Args:
     rollout_tp: int = 1
     """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
     rollout_gpu_memory: float = 0.5
-    """fraction of GPU memory vLLM may take for weights and KV cache"""
+    """fraction of GPU memory vLLM may take for weights and KV cache; above 1: GiB of KV cache, which skips vLLM's
+    start-up memory profiling (for several runs on one GPU, whose memory use changes while one starts)"""
     rollout_eager: bool = False
     """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
     rollout_sleep_level: int = 1
@@ -224,10 +225,8 @@ def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> t
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, ref_logprobs=None, kl_coef=0.0,
                 tis_weights=None):
-    """Per-token GRPO loss. All tensors [batch, seq] (advantages broadcast per sequence as [batch, 1]).
-
-    Returns the token losses, whether each token was clipped, and the k3 KL estimate to the reference.
-    """
+    """Per-token GRPO loss, all tensors [batch, seq] (advantages [batch, 1]): returns the token losses, whether each
+    token was clipped, and the k3 KL estimate to the reference."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)

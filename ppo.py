@@ -96,7 +96,8 @@ class Args:
     rollout_tp: int = 1
     """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
     rollout_gpu_memory: float = 0.5
-    """fraction of GPU memory vLLM may take for weights and KV cache"""
+    """fraction of GPU memory vLLM may take for weights and KV cache; above 1: GiB of KV cache, which skips vLLM's
+    start-up memory profiling (for several runs on one GPU, whose memory use changes while one starts)"""
     rollout_eager: bool = False
     """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
     rollout_sleep_level: int = 1

@@ -59,11 +59,15 @@ class VLLMRolloutEngine:
         # The engine core must run in this process: vLLM asserts it for external_launcher, and reads it once.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         torch.cuda.empty_cache()  # vLLM sizes itself from the free memory: the trainer's cached blocks are not free
+        # Above 1: GiB of KV cache, set outright; vLLM then skips its start-up memory profiling, which fails when other
+        # processes on the GPU change their memory use meanwhile (several runs sharing one GPU: scripts/ablate.py).
+        memory = dict(gpu_memory_utilization=gpu_memory_utilization) if gpu_memory_utilization <= 1 else \
+            dict(gpu_memory_utilization=0.01, kv_cache_memory_bytes=int(gpu_memory_utilization * 2**30))
         self.llm = LLM(
             model=model_path, distributed_executor_backend="external_launcher", tensor_parallel_size=tp_size,
             enable_sleep_mode=True, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
             load_format="dummy",  # the real weights arrive with the first update_weights
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            **memory, max_model_len=max_model_len,
             dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager)
         # vLLM's model object in this process (V1 engine, in-process executor); get_model() unwraps CUDA graphs.
         self.vllm_model = self.llm.llm_engine.model_executor.driver_worker.worker.get_model()

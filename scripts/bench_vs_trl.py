@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-response-len", type=int, default=512)
     p.add_argument("--prompt-template", default=None)
-    p.add_argument("--rollout-gpu-memory", type=float, default=0.3)
+    p.add_argument("--rollout-gpu-memory", type=float, default=0.3, help="fraction of the GPU for vLLM (both sides); "
+                   "above 1: GiB of KV cache, for several runs on one GPU")
     # dpo
     p.add_argument("--pairs-per-step", type=int, default=32)
     p.add_argument("--beta", type=float, default=0.1)
@@ -175,6 +176,12 @@ def trl_worker(args) -> None:
         def reward_fn(prompts, completions, answer, **kwargs):
             return [reward("", c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
+        if args.rollout_gpu_memory > 1:  # GiB of KV cache, as --rollout-gpu-memory takes it on our side
+            import trl.generation.vllm_generation as generation
+
+            llm = generation.LLM
+            generation.LLM = lambda **kw: llm(**{**kw, "gpu_memory_utilization": 0.01,
+                                                 "kv_cache_memory_bytes": int(args.rollout_gpu_memory * 2**30)})
         samples = args.prompts_per_step * args.group_size
         micro = min(samples, 64)
         config = GRPOConfig(**common, max_steps=args.steps or 30, num_generations=args.group_size,

@@ -41,7 +41,7 @@ case $recipe in
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
   ablate-grpo) exec python scripts/ablate.py --out "$out" --seeds 1 2 --parallel "${PARALLEL:-14}" --base \
                    "grpo.py $(printf '%q ' "${addition[@]}") --prompts-per-step 32 --group-size 8 --lr 1e-5 \
-                   --steps 30 --rollout-gpu-memory 0.045 --rollout-eager" --variant base= \
+                   --steps 30 --rollout-gpu-memory 4 --rollout-eager" --variant base= \
                    --variant all-token-mean="--loss-agg all-token-mean" --variant adam-beta2-0.999="--adam-beta2 0.999" \
                    --variant tis-cap-3="--tis-cap 3" --variant warmup-0="--warmup-steps 0" \
                    --variant no-grad-clip="--max-grad-norm 1e9" --variant fp32="--precision fp32" "$@" ;;
