@@ -5,7 +5,7 @@ reward relative to its group (minus the group mean, over the group std) as its a
 The policy is then updated with PPO's clipped surrogate, here with DAPO's separate low/high clip bounds
 (https://arxiv.org/abs/2503.14476), an optional k3 KL penalty to a frozen reference model, and a choice of
 loss aggregation (`--no-scale-rewards` with `--loss-agg seq-mean-token-sum-norm` gives Dr. GRPO,
-https://arxiv.org/abs/2503.20783). Groups whose rewards are all equal carry no signal and are left out.
+https://arxiv.org/abs/2503.20783). Groups whose rewards are all equal carry no signal and get no passes.
 
 Each step: rollout -> reward -> advantages -> old/ref log-probs -> policy update -> weight sync -> log -> checkpoint.
 Training runs under FSDP2 on packed token-budget micro-batches; rollouts come from vLLM on GPUs or from the trained
@@ -122,8 +122,8 @@ class Args:
     """number of GRPO steps (rollout + update)"""
     lr: float | None = None
     """AdamW learning rate; unset: 5e-4 for the built-in tiny model (random init), else 1e-6"""
-    warmup_steps: int = 5
-    """linear learning-rate warmup over this many updates"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup over this many updates (none by default: faster learning, benchmarks/README.md)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     adam_beta2: float = 0.99
@@ -138,9 +138,10 @@ class Args:
     """weight of the k3 KL penalty to the frozen initial policy; 0 loads no reference model"""
     scale_rewards: bool = True
     """divide advantages by the group's reward std (--no-scale-rewards: Dr. GRPO)"""
-    loss_agg: Literal["token-mean", "all-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """token losses to one number: mean over the tokens of groups with signal; their sum / all response tokens (TRL's
-    'dapo'); mean over sequences of their token mean; of their token sum / max-response-len (Dr. GRPO)"""
+    loss_agg: Literal["all-token-mean", "token-mean", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = "all-token-mean"
+    """token losses to one number: their sum / all response tokens of the batch (TRL's 'dapo'); mean over the tokens
+    of groups with signal; mean over sequences of their token mean; of their token sum / max-response-len (Dr. GRPO)"""
     num_mini_batches: int = 1
     """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
     epochs: int = 1
@@ -154,10 +155,10 @@ class Args:
     """recompute each decoder layer in backward to save memory"""
     compile: bool = False
     """torch.compile each decoder layer (dynamic shapes, for packed rows): fused kernels, most gain for small models"""
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides, whose
-    log-probs agree far more closely (bf16 puts each side about 0.03 per token off exact on a real model; vLLM in
-    fp32 0.002, at 0.86x its bf16 speed: benchmarks/README.md) at a cost in speed and memory"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides (their
+    log-probs agree to 0.002 per token against 0.04: on SmolLM2-135M it learns far faster per step, at 1.5x the step
+    time: benchmarks/README.md); auto: fp32 for models under 0.3B parameters, else bf16"""
 
     # evaluation, checkpoints, logging
     eval_every: int = 25

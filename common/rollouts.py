@@ -31,7 +31,7 @@ from common.distributed import (all_reduce_sum, decided_by_rank0, finish_distrib
 from common.engines import make_rollout_engine, resolve_engine_kind
 from common.errors import check_ranges
 from common.logprobs import use_packed_attention
-from common.model import compute_dtype, load_model, save_model_config, stop_token_ids
+from common.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
 from common.perf import memory_in_use
 from common.rewards import RewardScorer
 from common.signals import exit_on_stop_signals
@@ -43,8 +43,10 @@ from sharding.vllm_sync import trainer_weights, weight_shapes
 
 def fill_rollout_defaults(args) -> None:
     """The rollout flags left unset: the engine (vLLM where CUDA and vllm are), 2 reward processes per rank with
-    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async rollouts."""
+    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async rollouts, and
+    --precision auto (common/model.py's pick_precision)."""
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
+    args.precision = pick_precision(args.precision, args.model)
     if args.reward_workers is None:
         args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
     if args.async_rollout and getattr(args, "tis_cap", 0) is None:  # scripts whose loss uses importance ratios

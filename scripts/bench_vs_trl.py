@@ -13,7 +13,7 @@ in the TRL worker process, and nowhere else.
 Matched: model, data rows and held-out rows (ours picks them; TRL gets the same), chat template, reward function,
 prompts x samples per step, learning rate, response length, sampling temperature, steps; DPO: beta, pairs per
 step, max length, one epoch. Left at each trainer's own defaults, and so different (listed in the summary): the
-loss normaliser, Adam's beta2, the schedule, TRL's importance-sampling correction and gradient checkpointing.
+precision, Adam's beta2, the schedule, TRL's importance-sampling correction and gradient checkpointing.
 Held-out accuracy is greedy on both sides (ours: vLLM; TRL: the trained model's own generate, outside the timed
 step). Step time is the optimizer step's wall time without evaluation on both sides.
 """
@@ -252,10 +252,11 @@ def summarise(rows: list[dict]) -> dict:
 
 
 DIFFERENCES = {
-    "grpo": "loss normaliser: ours divides by the tokens of groups with signal, TRL ('dapo') by all tokens of the "
-            "batch; Adam beta2 0.99 (ours) vs 0.999; schedule: ours 5 warmup steps then constant, TRL linear decay "
-            "to 0; TRL applies its vLLM importance-sampling correction by default, ours only with --tis-cap; TRL "
-            "checkpoints activations by default (gradient_checkpointing=True) and keeps vLLM awake (no sleep mode)",
+    "grpo": "precision: ours --precision auto (fp32 on both sides below 0.3B parameters, else bf16), TRL bf16 "
+            "autocast; loss normaliser: the same by default since 2026-11-24 (all tokens of the batch); Adam beta2 "
+            "0.99 (ours) vs 0.999; schedule: ours constant, TRL linear decay to 0; TRL applies its vLLM "
+            "importance-sampling correction by default, ours only with --tis-cap; TRL checkpoints activations by "
+            "default (gradient_checkpointing=True) and keeps vLLM awake (no sleep mode)",
     "dpo": "truncation: ours cuts the prompt from the left, then the responses; TRL keeps the start; ours packs "
            "pairs by tokens and computes reference log-probs once (cached), TRL pads micro-batches of "
            "--trl-micro-batch pairs and runs a reference model every step; schedule: ours 5 warmup steps then "

@@ -9,8 +9,9 @@
 #   ppo-addition       ppo.py, 64 prompts x 4 (256 responses a step), lr 1e-5, 60 steps
 #   dpo-online         dpo.py --online, 32 prompts x 8, best against worst, lr 3e-6, --sft-weight 1, 60 steps
 #   dpo-hh             dpo.py on HH-RLHF harmlessness: the first 2,000 pairs, the last 312 held out, one epoch
-#   ablate-grpo        scripts/ablate.py: grpo-addition and one change each (the loss normaliser, Adam's beta2,
-#                      TIS, no warmup, no gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
+#   ablate-grpo        scripts/ablate.py: grpo-addition with the defaults before 2026-11-24 (bf16, token-mean, 5
+#                      warmup steps) and one change each (the loss normaliser, Adam's beta2, TIS, no warmup, no
+#                      gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
 #   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
 #   vs-trl-dpo         scripts/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
 #
@@ -41,7 +42,8 @@ case $recipe in
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
   ablate-grpo) exec python scripts/ablate.py --out "$out" --seeds 1 2 --parallel "${PARALLEL:-14}" --base \
                    "grpo.py $(printf '%q ' "${addition[@]}") --prompts-per-step 32 --group-size 8 --lr 1e-5 \
-                   --steps 30 --rollout-gpu-memory 4 --rollout-eager" --variant base= \
+                   --steps 30 --rollout-gpu-memory 4 --rollout-eager --precision bf16 --loss-agg token-mean \
+                   --warmup-steps 5" --variant base= \
                    --variant all-token-mean="--loss-agg all-token-mean" --variant adam-beta2-0.999="--adam-beta2 0.999" \
                    --variant tis-cap-3="--tis-cap 3" --variant warmup-0="--warmup-steps 0" \
                    --variant no-grad-clip="--max-grad-norm 1e9" --variant fp32="--precision fp32" "$@" ;;

@@ -111,7 +111,7 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
 
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_agg", ["all-token-mean", "token-mean", "seq-mean-token-mean"])
 def test_two_ranks_match_one_rank(tmp_path, loss_agg):
     for world in (1, 2):
         launcher.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path)), nprocs=world)

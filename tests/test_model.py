@@ -55,3 +55,21 @@ def test_export_tokenizer_check_reads_back_as_the_scripts_load(tmp_path):
     full_vocab_tokenizer(500).save_pretrained(tmp_path)  # w700 is unknown to it
     with pytest.raises(ValueError, match="encodes 'w100 w700 w999' differently"):
         check_tokenizer_round_trip(full_vocab_tokenizer(1000), str(tmp_path), ["w100 w700 w999"])
+
+
+def test_precision_auto_picks_fp32_below_0_3b_parameters(tmp_path):
+    from transformers import Qwen2Config
+
+    from common.model import pick_precision
+
+    def shape(name, hidden, layers, vocab):  # a config only: pick_precision counts parameters on the meta device
+        path = tmp_path / name
+        Qwen2Config(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, vocab_size=vocab,
+                    num_attention_heads=8, num_key_value_heads=8).save_pretrained(path)
+        return str(path)
+
+    small = shape("small", 512, 8, 32000)  # 8 layers x 16 x 512^2 + 2 x 16.4M (embedding, head) = 66M
+    large = shape("large", 1024, 24, 32000)  # 24 x 16 x 1024^2 + 2 x 32.8M = 468M
+    assert pick_precision("auto", small) == "fp32" and pick_precision("auto", large) == "bf16"
+    assert pick_precision("auto", None) == "fp32"  # the built-in tiny model
+    assert pick_precision("bf16", small) == "bf16" and pick_precision("fp32", large) == "fp32"  # given: kept
