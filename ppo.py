@@ -140,7 +140,7 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay (policy and critic)"""
     adam_beta2: float = 0.99
-    """AdamW's second-moment decay (policy and critic) (0.999 is the usual default elsewhere)"""
+    """AdamW's second-moment decay, policy and critic (0.999 is the usual default elsewhere)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (policy and critic, each its own)"""
     critic_model: str | None = None
@@ -613,7 +613,7 @@ def main():
     num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
-                                                            args.adam_beta2)
+                                                        args.adam_beta2)
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
 
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
