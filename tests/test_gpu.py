@@ -16,15 +16,16 @@ from gloo import free_port
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+# vocab 1000 is not a multiple of 64, so vLLM pads the embedding: the check must see the padding rows.
+# initializer_range 0.1 gives logits with a std of about 1.6, so log-probs depend on the weights.
+CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=1000, tie_word_embeddings=True, rope_theta=1e6, initializer_range=0.1,
+              max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    """A world of one (NCCL), a tiny FSDP2 Qwen2 policy and a vLLM engine that starts with dummy weights."""
-    pytest.importorskip("vllm")
-    from common.model import shard_model
-    from common.vllm_engine import VLLMRolloutEngine
-
+def nccl_world():
+    """A world of one, on NCCL, as torchrun would start it."""
     if not dist.is_initialized():
         # vLLM's external_launcher reads RANK and LOCAL_RANK from the environment, like torchrun sets them.
         for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -32,11 +33,52 @@ def colocated(tmp_path_factory):
             os.environ.setdefault(key, value)
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    # vocab 1000 is not a multiple of 64, so vLLM pads the embedding: the check must see the padding rows.
-    # initializer_range 0.1 gives logits with a std of about 1.6, so log-probs depend on the weights.
-    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True, rope_theta=1e6,
-                         initializer_range=0.1, max_position_embeddings=512)
+    return torch.device("cuda", 0)
+
+
+def test_offload_between_phases_changes_nothing(nccl_world):
+    """Three AdamW steps of an FSDP2 model with it and its optimizer parked in CPU memory between them
+    (common/offload.py, ppo.py --offload) end at the weights of three steps without; parked, neither holds GPU
+    memory. A moment lost or left behind on the way would change the weights or fail the step."""
+    from common.model import shard_model
+    from common.offload import Offloader
+    from common.optim import make_optimizer
+
+    def train(offload: bool) -> dict:
+        torch.manual_seed(0)
+        model = shard_model(AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), dtype=torch.float32), nccl_world)
+        optimizer, _ = make_optimizer(model, 1e-3, 0.0, 0, 0.99)
+        offloader = Offloader(offload, nccl_world)
+        ids = torch.randint(0, 1000, (4, 64), device=nccl_world)
+        for _ in range(3):
+            with offloader.on_gpu(model, optimizer):
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if offload:
+                on_gpu = [name for name, p in model.named_parameters() if p.to_local().is_cuda]
+                on_gpu += [key for state in optimizer.state.values() for key, value in state.items()
+                           if torch.is_tensor(value) and value.is_cuda]
+                assert not on_gpu, on_gpu[:5]
+        with offloader.on_gpu(model):
+            return {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
+
+    plain, parked = train(False), train(True)
+    assert plain.keys() == parked.keys()
+    for name in plain:  # the same kernels on the same data; a tolerance only for atomics in backward
+        torch.testing.assert_close(parked[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+    norm = plain["model.norm.weight"]
+    assert not torch.equal(norm, torch.ones_like(norm))  # the steps moved the weights (a norm starts at ones)
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory, nccl_world):
+    """A world of one (NCCL), a tiny FSDP2 Qwen2 policy and a vLLM engine that starts with dummy weights."""
+    pytest.importorskip("vllm")
+    from common.model import shard_model
+    from common.vllm_engine import VLLMRolloutEngine
+
+    config = Qwen2Config(**CONFIG)
     model_dir = tmp_path_factory.mktemp("tiny_qwen2")
     config.save_pretrained(model_dir)
     torch.manual_seed(0)
