@@ -15,6 +15,8 @@
 #   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
 #   vs-trl-dpo         scripts/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
 #
+# At the scripts' defaults SmolLM2 trains in fp32 on both sides (--precision auto: under 0.3B parameters; dpo-hh, offline,
+# stays bf16); append --precision bf16 for the bf16 runs of benchmarks/README.md's earlier rows.
 # MODEL (default /tmp/smollm2) and DATA (default ../shared/data) say where the model and the data are; PORT
 # (default 29500) is torchrun's port, to run two recipes at once.
 set -euo pipefail
