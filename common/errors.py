@@ -7,6 +7,7 @@ User errors (bad flags, paths, data, rewards: ValueError, OSError, RewardError) 
 anything else is a bug and keeps its traceback. `NANORL_TRACEBACK=1` shows the traceback of user errors too.
 """
 
+import contextlib
 import os
 import sys
 import traceback
@@ -129,13 +130,13 @@ def check_ranges(args, positive=(), at_least_one=(), non_negative=()) -> None:
 
 def parse_args(cls):
     """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank."""
-    import contextlib
     import io
 
     import tyro
 
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
-        return tyro.cli(cls)
+        with flowing_help():
+            return tyro.cli(cls)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
@@ -149,6 +150,29 @@ def parse_args(cls):
             _let_the_reporter_speak()
         sys.stderr.flush()
         os._exit(2)
+
+
+@contextlib.contextmanager
+def flowing_help():
+    """Each flag's help as one flowing paragraph in --help. tyro reads it from the attribute docstring under the
+    flag in Args (through docstring_parser), where a line break and the next line's source indentation would
+    otherwise reach --help as a ragged break in mid-sentence; the docstrings hold no paragraph breaks."""
+    import docstring_parser
+
+    parse = docstring_parser.parse_from_object
+
+    def joined(obj):
+        doc = parse(obj)
+        for param in doc.params:
+            if param.description:
+                param.description = " ".join(param.description.split())
+        return doc
+
+    docstring_parser.parse_from_object = joined
+    try:
+        yield
+    finally:
+        docstring_parser.parse_from_object = parse
 
 
 def _let_the_reporter_speak() -> None:

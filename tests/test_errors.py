@@ -54,3 +54,22 @@ def test_tyro_boxes_become_one_line(argv, expected):
     with contextlib.redirect_stderr(box), contextlib.redirect_stdout(box), pytest.raises(SystemExit):
         tyro.cli(grpo.Args, args=argv)
     assert errors._one_line(box.getvalue()) == expected
+
+
+def test_help_flows_each_flags_docstring_into_one_paragraph(monkeypatch, capsys):
+    """A flag's help whose docstring spans source lines reads as one paragraph in --help, not broken where the
+    source line ended (tyro keeps a line break followed by the source's indentation)."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Flags:
+        budget: int = 1
+        """a short first line
+        that goes on here"""
+
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setattr("sys.argv", ["script.py", "--help"])
+    with pytest.raises(SystemExit):
+        errors.parse_args(Flags)
+    lines = [" ".join(line.strip("│ ").split()) for line in capsys.readouterr().out.splitlines()]
+    assert any("a short first line that goes on here" in line for line in lines), lines
