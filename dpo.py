@@ -669,7 +669,7 @@ def main():
         logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
                      " (another number of ranks: model, optimizer and data position are exact, random streams "
                      "re-seeded)"))
-    first_eval = last_eval = resumed["extra"].get("first_eval")
+    first_eval, last_eval = resumed["extra"].get("first_eval"), resumed["extra"].get("last_eval")
     if not resume_path:
         first_eval = last_eval = evaluate(policy, reference, rollouts, eval_pairs, args, rank, world, device,
                                           ref if not args.online else None, step=0, timer=timer)
@@ -768,7 +768,7 @@ def main():
                     else None
                 save_training_state(output_dir, step, policy, optimizer, scheduler, data,
                                     {"wandb_run_id": logger.run_id, "bad_steps_in_a_row": bad_steps.in_a_row,
-                                     "args": asdict(args), "first_eval": first_eval}, more)
+                                     "args": asdict(args), "first_eval": first_eval, "last_eval": last_eval}, more)
                 prune_checkpoints(output_dir, args.keep_checkpoints)
         crash_point("after_state", step)
         if stop:
