@@ -620,6 +620,8 @@ def main():
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
                                                         args.adam_beta2)
     critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
+    offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
+    offload.park(critic, reference, reward_model)  # before vLLM sizes itself from the free memory
 
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
@@ -635,15 +637,14 @@ def main():
     install_stop_handlers()
     bad_steps = BadStepCounter(args.max_bad_steps)
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
-        info = load_training_state(resume_path, policy, optimizer, scheduler, rollouts, critic_state)
+        with offload.on_gpu(critic, critic_optimizer, optimizer):  # loaded where they were saved, then parked
+            info = load_training_state(resume_path, policy, optimizer, scheduler, rollouts, critic_state)
         set_hyperparameters(optimizer, scheduler, args.lr, args.weight_decay)  # this command's, not the saved ones
         set_hyperparameters(critic_optimizer, critic_scheduler, args.critic_lr, args.weight_decay)
         bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
         logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
                      f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are exact, "
                      f"random streams re-seeded)"))
-    offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
-    offload.park(critic, critic_optimizer, optimizer, reference, reward_model)
     if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
         logger.log(0, {**initial_eval, **timer.pop()}, advance=False)
     timer.pop()

@@ -14,20 +14,23 @@ import torch
 def move(part, device) -> None:
     """Moves a model's parameters (FSDP2 re-registers its shards after .to()) or an optimizer's state tensors.
 
-    non_blocking: a copy to the CPU lands in pinned memory (from torch's caching host allocator, so the next
-    offload reuses it), and pinned memory copies to and from the GPU several times faster than pageable memory;
-    the copies are ordered on the current stream, so the kernels after a move see the data. Adam's `step`
-    counters stay where they are: torch keeps them on the CPU unless the optimizer is capturable or fused, and
-    either way they must not change device under it. The Parameter objects survive the move, so the optimizer
-    still points at them.
+    Optimizer state goes non_blocking both ways: a copy to the CPU lands in pinned memory (from torch's caching
+    host allocator, so the next offload reuses it), several times faster than pageable memory, and is waited for
+    in Offloader.park; copies to the GPU are ordered on the current stream, before the kernels that read them.
+    A model goes to the CPU with a blocking copy: inside .to(), FSDP2 re-pads a rank's shorter last shard with a
+    CPU copy_ from the tensor just made, which would read a pinned buffer still being filled (ranks whose count
+    does not divide a dimension). Adam's `step` counters stay where they are: torch keeps them on the CPU unless
+    the optimizer is capturable or fused, and either way they must not change device under it. The Parameter
+    objects survive the move, so the optimizer still points at them.
     """
+    to_gpu = torch.device(device).type == "cuda"
     if isinstance(part, torch.optim.Optimizer):
         for state in part.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
     else:
-        part.to(device, non_blocking=True)
+        part.to(device, non_blocking=to_gpu)
 
 
 class Offloader:

@@ -39,7 +39,8 @@ def nccl_world():
 def test_offload_between_phases_changes_nothing(nccl_world):
     """Three AdamW steps of an FSDP2 model with it and its optimizer parked in CPU memory between them
     (common/offload.py, ppo.py --offload) end at the weights of three steps without; parked, neither holds GPU
-    memory. A moment lost or left behind on the way would change the weights or fail the step."""
+    memory. A moment lost or left behind on the way would change the weights or fail the step. (One rank has no
+    padded shards: the race that blocking model copies avoid on uneven shards needs two GPUs to show.)"""
     from common.model import shard_model
     from common.offload import Offloader
     from common.optim import make_optimizer
