@@ -779,7 +779,7 @@ def main():
     if start_step >= args.steps:
         logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
                      f"(--steps trains further)")
-    if not stop and first_eval and last_eval:
+    if not stop and first_eval and last_eval and start_step <= args.steps:  # past --steps: said above
         shown = [k for k in ("eval/preference_accuracy", "eval/accuracy") if k in first_eval]
         logger.print("; ".join(f"held-out {'greedy task' if k == 'eval/accuracy' else 'preference'} accuracy: "
                                f"{first_eval[k]:.3f} before training -> {last_eval[k]:.3f} after {args.steps} steps"

@@ -739,7 +739,7 @@ def main():
     if start_step >= args.steps:
         logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
                      f"(--steps trains further)")
-    if not stop:
+    if not stop and start_step <= args.steps:  # past --steps already: said above, and its export is elsewhere
         logger.print(f"held-out greedy accuracy: {rollouts.first_eval['eval/accuracy']:.3f} before training -> "
                      f"{rollouts.last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
                      f"{os.path.join(output_dir, f'hf_step_{args.steps}')} (the critic in its critic/)")
