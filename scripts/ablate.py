@@ -80,8 +80,9 @@ def main() -> None:
     pending, running, tries, start = list(jobs), {}, {}, time.time()
 
     def launch(name: str, seed: int) -> None:
-        run_dir, port = os.path.join(args.out, f"{name}_s{seed}"), 29600 + jobs.index((name, seed))
-        command = ["torchrun", "--nproc_per_node", "1", "--master-port", str(port), os.path.join(ROOT, base[0]),
+        run_dir = os.path.join(args.out, f"{name}_s{seed}")
+        # --standalone: torchrun takes a free port, so runs here and anything else on the machine never collide
+        command = ["torchrun", "--standalone", "--nproc_per_node", "1", os.path.join(ROOT, base[0]),
                    *base[1:], *shlex.split(args.variants[name]), "--seed", str(seed), "--output-dir", run_dir,
                    "--resume", "none", "--overwrite"]
         tries[(name, seed)] = tries.get((name, seed), 0) + 1
