@@ -23,14 +23,13 @@ def move(part, device) -> None:
     the optimizer is capturable or fused, and either way they must not change device under it. The Parameter
     objects survive the move, so the optimizer still points at them.
     """
-    to_gpu = torch.device(device).type == "cuda"
     if isinstance(part, torch.optim.Optimizer):
         for state in part.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
     else:
-        part.to(device, non_blocking=to_gpu)
+        part.to(device, non_blocking=torch.device(device).type == "cuda")
 
 
 class Offloader:
