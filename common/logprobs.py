@@ -24,21 +24,21 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk_tokens: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_tokens: int, with_entropy: bool,
+                fused: bool):
         # hidden [tokens, d], weight [vocab, d], targets [tokens]
+        stats = _compiled(_chunk_stats) if fused else _chunk_stats
         logprobs = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else None
         for start in range(0, len(hidden), chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            logits = (hidden[chunk] @ weight.T).float().div_(temperature)  # [chunk, vocab]
-            logsumexp[chunk] = logits.logsumexp(-1)
-            logprobs[chunk] = logits.gather(-1, targets[chunk, None]).squeeze(-1) - logsumexp[chunk]
-            if with_entropy:  # H = -sum p log p
-                logits_lp = logits.sub_(logsumexp[chunk, None])  # in place: log-probs [chunk, vocab]
-                entropy[chunk] = -(logits_lp.exp() * logits_lp).sum(-1)
+            logits = hidden[chunk] @ weight.T  # [chunk, vocab]
+            logprobs[chunk], logsumexp[chunk], chunk_entropy = stats(logits, targets[chunk], temperature, with_entropy)
+            if with_entropy:
+                entropy[chunk] = chunk_entropy
         ctx.save_for_backward(hidden, weight, targets, logsumexp)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.temperature, ctx.chunk_tokens, ctx.fused = temperature, chunk_tokens, fused
         if with_entropy:
             ctx.mark_non_differentiable(entropy)  # a metric only
         return logprobs, entropy
@@ -46,27 +46,63 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, targets, logsumexp = ctx.saved_tensors
+        grad_of_logits = _compiled(_grad_logits_fused) if ctx.fused else _grad_logits
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # summed over chunks
         for start in range(0, len(hidden), ctx.chunk_tokens):
             chunk = slice(start, start + ctx.chunk_tokens)
-            logits = (hidden[chunk] @ weight.T).float().div_(ctx.temperature)  # [chunk, vocab]
-            # In place, since each pass over [chunk, vocab] floats costs time: -softmax, + onehot, x dL/dlogp
-            grad_logits = logits.sub_(logsumexp[chunk, None]).exp_().neg_()
-            grad_logits.scatter_add_(-1, targets[chunk, None], torch.ones_like(grad_logits[:, :1]))
-            grad_logits = grad_logits.mul_(grad_logprobs[chunk, None] / ctx.temperature).to(hidden.dtype)
+            logits = hidden[chunk] @ weight.T  # [chunk, vocab], recomputed
+            grad_logits = grad_of_logits(logits, targets[chunk], logsumexp[chunk], grad_logprobs[chunk],
+                                         ctx.temperature, hidden.dtype)
             grad_hidden[chunk] = grad_logits @ weight
             grad_weight += (grad_logits.T @ hidden[chunk]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+# The per-chunk math over [chunk, vocab] logits: memory-bound passes, which is where a small model's head spends
+# its time. Eager, each op is one pass, done in place on one float32 buffer to keep memory low; compiled
+# (compile_model), each function below becomes one or two fused kernels.
+
+def _chunk_stats(logits, targets, temperature: float, with_entropy: bool):
+    """-> float32 log-probs of targets, logsumexp, and entropy (None without with_entropy), each [chunk]."""
+    logits = logits.float() / temperature
+    logsumexp = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
+    entropy = None
+    if with_entropy:  # H = -sum p log p
+        logits_lp = logits.sub_(logsumexp[:, None])  # in place: log-probs [chunk, vocab]
+        entropy = -(logits_lp.exp() * logits_lp).sum(-1)
+    return logprobs, logsumexp, entropy
+
+
+def _grad_logits(logits, targets, logsumexp, grad_logprobs, temperature: float, dtype: torch.dtype):
+    """d loss / d logits = (onehot(target) - softmax(logits / T)) * dL/dlogp / T, as dtype [chunk, vocab]."""
+    grad = logits.float().div_(temperature).sub_(logsumexp[:, None]).exp_().neg_()  # -softmax, in place
+    grad.scatter_add_(-1, targets[:, None], torch.ones_like(grad[:, :1]))
+    return grad.mul_(grad_logprobs[:, None] / temperature).to(dtype)
+
+
+def _grad_logits_fused(logits, targets, logsumexp, grad_logprobs, temperature: float, dtype: torch.dtype):
+    """_grad_logits written for torch.compile: the one-hot as a comparison instead of a scatter, so one kernel
+    reads the logits and writes the gradient (in eager mode this would hold several float32 [chunk, vocab])."""
+    probs = (logits.float() / temperature - logsumexp[:, None]).exp()
+    is_target = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    return (torch.where(is_target, 1.0 - probs, -probs) * (grad_logprobs / temperature)[:, None]).to(dtype)
+
+
+@functools.cache
+def _compiled(function):
+    return torch.compile(function, dynamic=True)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                           chunk_tokens: int = 2048, with_entropy: bool = False):
+                           chunk_tokens: int = 2048, with_entropy: bool = False, fused: bool = False):
     """Log-probs [tokens] (float32) of `targets` under logits = hidden @ weight.T / temperature, and their entropies
     (no gradient) with `with_entropy`. hidden [tokens, d], weight [vocab, d] (a bias-free LM head), targets [tokens].
 
-    Peak memory grows with chunk_tokens * vocab, not tokens * vocab (2048 x 151936 floats: 1.2 GB)."""
-    return ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
+    Peak memory grows with chunk_tokens * vocab, not tokens * vocab (2048 x 151936 floats: 1.2 GB).
+    fused: the per-chunk math torch.compiled into fused kernels (same values up to float rounding)."""
+    return ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy, fused)
 
 
 def _packed_forward(self, input_ids, position_ids, target_index, targets, attention_kwargs: dict, temperature: float,
@@ -76,7 +112,7 @@ def _packed_forward(self, input_ids, position_ids, target_index, targets, attent
                              **attention_kwargs).last_hidden_state  # [1, total, d]
     head = self.get_output_embeddings()
     return chunked_token_logprobs(hidden[0, target_index], head.weight, targets, temperature, chunk_tokens,
-                                  with_entropy)
+                                  with_entropy, fused=getattr(self, "compiled_head", False))
 
 
 def attach_forward_method(model, name: str, function, packed: dict) -> tuple[torch.device, dict]:

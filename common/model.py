@@ -111,12 +111,16 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> None:
+def compile_model(model: torch.nn.Module, head: bool = True) -> None:
     """torch.compile each decoder layer's forward, with dynamic shapes (a packed row's length changes every
     micro-batch). Only the forward: FSDP2's gather and reshard hooks around it stay eager, and parameter names do
-    not change. Small models gain most, their layers being many short kernels."""
+    not change. With head, also the LM head's per-chunk log-prob math (common/logprobs.py: fused passes over the
+    [chunk, vocab] logits). Small models gain most, their layers being many short kernels. Calling it again only
+    changes head."""
     for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        if not getattr(layer, "compiled", False):
+            layer.forward, layer.compiled = torch.compile(layer.forward, dynamic=True), True
+    model.compiled_head = head
 
 
 def pick_precision(precision: str, model: str | None) -> str:
@@ -144,7 +148,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
 
     On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
     are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`.
-    compile_layers: see compile_decoder_layers.
+    compile_layers: see compile_model.
     """
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -153,7 +157,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     if compile_layers:
-        compile_decoder_layers(model)
+        compile_model(model)
     fully_shard(model, mp_policy=policy)  # also moves the shards and buffers onto `device`
     model.requires_grad_(trainable)
     model.train(trainable)

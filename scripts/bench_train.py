@@ -10,8 +10,9 @@ advantage-weighted token-mean loss, backward, AdamW. Both modes see the same bat
   padding mask and full float32 logits (common/model.token_logprobs): the naive step.
 - synced: packed, reading five statistics of each micro-batch back to the host (`.item()`), as the training loops
   of grpo.py, ppo.py and dpo.py do: what a host sync per micro-batch costs.
-- compiled: packed, with each decoder layer's forward torch.compiled (common/model.compile_decoder_layers); the
-  log-probs of a few samples before and after compiling are compared.
+- compiled: packed, with each decoder layer's forward and the LM head's per-chunk math torch.compiled
+  (common/model.compile_model, what --compile does); the log-probs of a few samples before and after compiling
+  are compared. compiled_layers: the decoder layers compiled, the head eager (runs before compiled).
 Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time / peak), padding fraction and peak
 memory for each, as JSON to --out; --profile writes a torch.profiler summary of one step per mode.
 Shapes: Qwen2.5's (0.5b, 1.5b, 7b) and SmolLM2-135M's (135m).
@@ -37,7 +38,7 @@ from common.batching import batching_metrics, pack_sequences, plan_micro_batches
 from common.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
 from common.perf import mfu, peak_flops  # noqa: E402
 from common.distributed import init_distributed  # noqa: E402
-from common.model import compile_decoder_layers, shard_model, token_logprobs  # noqa: E402
+from common.model import compile_model, shard_model, token_logprobs  # noqa: E402
 from scripts.random_model import SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402
 
 # Besides Qwen2.5's architectures and a tiny one for CPU smoke tests (scripts/random_model.py): SmolLM2-135M's.
@@ -168,13 +169,15 @@ def write_profile(prof, path: str, device) -> None:
 
 
 @torch.no_grad()
-def compile_and_compare(model, samples: list[dict], args, device) -> dict:
-    """Compiles the decoder layers, and compares the packed log-probs of a few samples before and after."""
+def compile_and_compare(model, samples: list[dict], args, device, head: bool) -> dict:
+    """Compiles the decoder layers (and the head), and compares the packed log-probs of a few samples before and
+    after."""
     use_packed_attention(model, device)
     packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in samples[:8]],
                             [len(s["response_ids"]) for s in samples[:8]])
+    model.compiled_head = False  # the reference: eager, or after compiled_layers its compiled layers
     eager, _ = packed_token_logprobs(model, packed, temperature=1.0, chunk_tokens=args.chunk_tokens)
-    compile_decoder_layers(model)
+    compile_model(model, head=head)
     start = time.perf_counter()
     compiled, _ = packed_token_logprobs(model, packed, temperature=1.0, chunk_tokens=args.chunk_tokens)
     first_call = time.perf_counter() - start
@@ -197,9 +200,11 @@ def bench_shape(shape: str, args, device) -> dict:
     batches = [sample_batch(args.num_samples, args.prompt_len, args.median_response, args.sigma, args.max_response,
                             config.vocab_size, seed=step) for step in range(args.steps + 1)]
     results = {"num_params": sum(p.numel() for p in model.parameters())}
-    for mode in sorted(args.modes, key=lambda m: m == "compiled"):  # compiling changes the model: last
-        if mode == "compiled":  # packed, with each decoder layer compiled from here on (modes run in order)
-            results["compiled_vs_eager_logprobs"] = compile_and_compare(model, batches[0], args, device)
+    order = ["packed", "padded", "synced", "compiled_layers", "compiled"]  # compiling changes the model: last
+    for mode in sorted(args.modes, key=order.index):
+        if mode.startswith("compiled"):  # packed, with each decoder layer compiled from here on
+            results[f"{mode}_vs_eager_logprobs"] = compile_and_compare(model, batches[0], args, device,
+                                                                      head=mode == "compiled")
         if mode != "padded" and args.packed_attention == "auto":
             results["packed_attention"] = use_packed_attention(model, device)
         elif mode != "padded":
@@ -211,9 +216,10 @@ def bench_shape(shape: str, args, device) -> dict:
         print(f"{shape} {mode}: {json.dumps(results[mode])}", flush=True)
     if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("padded", {}):
         results["packed_speedup"] = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
-    for mode, name in (("synced", "synced_over_packed"), ("compiled", "compiled_speedup")):  # tokens/s ratios
-        if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get(mode, {}):
-            results[name] = results[mode]["tokens_per_s"] / results["packed"]["tokens_per_s"]
+    for base, mode, name in (("packed", "synced", "synced_over_packed"), ("packed", "compiled", "compiled_speedup"),
+                             ("compiled_layers", "compiled", "compiled_head_speedup")):  # tokens/s ratios
+        if "tokens_per_s" in results.get(base, {}) and "tokens_per_s" in results.get(mode, {}):
+            results[name] = results[mode]["tokens_per_s"] / results[base]["tokens_per_s"]
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -224,10 +230,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=sorted([*QWEN_SHAPES, *LLAMA_SHAPES]),
                         default=["0.5b", "1.5b"])
-    parser.add_argument("--modes", nargs="+", choices=["packed", "padded", "synced", "compiled"],
+    parser.add_argument("--modes", nargs="+", choices=["packed", "padded", "synced", "compiled_layers", "compiled"],
                         default=["packed", "padded"],
                         help="synced: packed with five .item() reads per micro-batch; compiled: packed with each "
-                             "decoder layer torch.compiled (runs after the others)")
+                             "decoder layer and the head's math torch.compiled, compiled_layers: the layers only "
+                             "(these two run after the others)")
     parser.add_argument("--num-samples", type=int, default=256, help="samples per step (one optimizer step)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
     parser.add_argument("--prompt-len", type=int, default=256)

@@ -57,8 +57,9 @@ def test_packing_does_not_leak_across_sequences(packed_attention):
     torch.testing.assert_close(after[len(a) - 1:], alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("temperature, chunk", [(1.0, 7), (0.6, 64)])
-def test_chunked_logprobs_match_full_logits(temperature, chunk):
+def test_chunked_logprobs_match_full_logits(temperature, chunk, fused):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
     weight = (0.5 * torch.randn(300, 16, generator=g, dtype=torch.float64)).requires_grad_()
@@ -70,7 +71,8 @@ def test_chunked_logprobs_match_full_logits(temperature, chunk):
     want_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
 
-    got, entropy = chunked_token_logprobs(hidden, weight, targets, temperature, chunk_tokens=chunk, with_entropy=True)
+    got, entropy = chunked_token_logprobs(hidden, weight, targets, temperature, chunk_tokens=chunk, with_entropy=True,
+                                          fused=fused)
     got_grads = torch.autograd.grad((got * upstream.float()).sum(), (hidden, weight))
     # The chunks compute in float32 (as on GPU, where the head runs in bf16): float32 tolerances.
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
