@@ -151,6 +151,10 @@ class Args:
     tis_cap: float | None = None
     """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) against the rollout
     engine's numerical mismatch and its older weights with --async-rollout; unset: off, or 2 with --async-rollout"""
+    logprob_diff_every: int = 10
+    """measure rollout/logprob_diff (how far the rollout engine's log-probs of the sampled tokens are from the
+    trainer's) on the first step and every this many after (0: never); vLLM's per-token bookkeeping of its log-probs
+    costs about a quarter of a small model's rollout time. --tis-cap needs them: every step then"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
     compile: bool = False
@@ -205,7 +209,7 @@ def check_args(args: Args, world: int) -> None:
     check_ranges(args, positive=["lr", "max_grad_norm"],
                  at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "eval_every",
-                               "save_every", "save_state_every", "keep_checkpoints"])
+                               "logprob_diff_every", "save_every", "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
@@ -323,14 +327,16 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as they came from the rollout
     (before they were shared out for training); samples: this rank's training share, with its log-probs."""
     lengths, scored = sample_lengths(samples), [s for s in samples if s["loss_weight"] > 0]  # those trained on
-    tis = tis_metrics([s["old_logprobs"] for s in scored], [s["logprobs"] for s in scored], args.tis_cap or 1.0)
+    measured = [s for s in scored if s["logprobs"] is not None]  # the engine's log-probs: on some steps only
+    tis = tis_metrics([s["old_logprobs"] for s in measured], [s["logprobs"] for s in measured], args.tis_cap or 1.0)
     sums = sum_over_ranks({
         "reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
         "truncated": sum(not s["finished"] for s in generated),
         "informative": sum(s["loss_weight"] > 0 for s in generated), "total_tokens": sum(lengths),
         "trained_tokens": sum(sample_lengths(scored)),
-        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in scored),
+        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in measured),
+        "lp_tokens": sum(len(s["response_ids"]) for s in measured),
         "scored": sum(len(s["response_ids"]) for s in scored),
         "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
     count, tokens, opt_steps = sums["count"], max(sums["scored"], 1), max(sums["opt_steps"] / world, 1)
@@ -339,7 +345,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "reward/mean": sums["reward"] / count, "reward/accuracy": sums["correct"] / count,
         "reward/informative_frac": sums["informative"] / count,
         "response/length_mean": sums["response_tokens"] / count, "response/truncated_frac": sums["truncated"] / count,
-        **({"rollout/logprob_diff": sums["lp_diff"] / tokens} if sums["scored"] else {}),  # on the trained tokens
+        **({"rollout/logprob_diff": sums["lp_diff"] / sums["lp_tokens"]} if sums["lp_tokens"] else {}),  # trained
         "loss/policy": sums["loss"] / world / opt_steps, "loss/kl": sums["kl"] / trained,
         "policy/clip_frac": sums["pg_clipfrac"] / trained, "policy/entropy": sums["entropy"] / trained,
         "policy/grad_norm": sums["grad_norm"] / world / opt_steps, "update/skipped": sums["skipped"] / world,

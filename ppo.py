@@ -180,6 +180,10 @@ class Args:
     """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
     rollout engine's numerical mismatch and, with --async-rollout, its older weights; unset: off, or 2 with
     --async-rollout"""
+    logprob_diff_every: int = 10
+    """measure rollout/logprob_diff (how far the rollout engine's log-probs of the sampled tokens are from the
+    trainer's) on the first step and every this many after (0: never); vLLM's per-token bookkeeping of its log-probs
+    costs about a quarter of a small model's rollout time. --tis-cap needs them: every step then"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
     offload: bool = False
@@ -239,7 +243,7 @@ def check_args(args: Args, world: int) -> None:
     check_ranges(args, positive=["lr", "critic_lr", "max_grad_norm", "value_clip"],
                  at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "entropy_coef",
-                               "missing_eos_penalty", "critic_warmup_steps", "eval_every", "save_every",
+                               "missing_eos_penalty", "critic_warmup_steps", "eval_every", "logprob_diff_every", "save_every",
                                "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
     for name in ("gamma", "lam"):
@@ -522,7 +526,8 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as the rollout gave them (this
     rank's share of generation); samples: this rank's training share, with scores, values and advantages."""
     lengths = sample_lengths(samples)
-    tis = tis_metrics([s["old_logprobs"] for s in samples], [s["logprobs"] for s in samples], args.tis_cap or 1.0)
+    measured = [s for s in samples if s["logprobs"] is not None]  # the engine's log-probs: on some steps only
+    tis = tis_metrics([s["old_logprobs"] for s in measured], [s["logprobs"] for s in measured], args.tis_cap or 1.0)
     cat = lambda key: torch.cat([s[key] for s in samples]) if samples else torch.zeros(0)
     advantages, values, returns = cat("raw_advantages"), cat("old_values"), cat("returns")
     kl = (cat("old_logprobs") - cat("ref_logprobs")) if "ref_logprobs" in samples[0] else torch.zeros(0)
@@ -534,7 +539,8 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "train_count": len(samples), "tokens": len(advantages), "advantage": advantages.sum().item(),
         "advantage_sq": (advantages ** 2).sum().item(), "value": values.sum().item(), "return": returns.sum().item(),
         "ref_kl": kl.sum().item(),
-        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in samples),
+        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in measured),
+        "lp_tokens": sum(len(s["response_ids"]) for s in measured),
         "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
     count, tokens = sums["count"], max(sums["tokens"], 1)
     steps, critic_steps = max(sums["opt_steps"] / world, 1), max(sums["critic_steps"] / world, 1)
@@ -544,7 +550,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "reward/model_mean": sums["model_score"] / max(sums["train_count"], 1),
         "reward/score_mean": sums["score"] / max(sums["train_count"], 1),
         "response/length_mean": sums["response_tokens"] / count, "response/truncated_frac": sums["truncated"] / count,
-        "rollout/logprob_diff": sums["lp_diff"] / max(sums["response_tokens"], 1),
+        **({"rollout/logprob_diff": sums["lp_diff"] / sums["lp_tokens"]} if sums["lp_tokens"] else {}),
         "loss/policy": sums["policy_loss"] / world / steps, "loss/value": sums["value_loss"] / world / critic_steps,
         "policy/clip_frac": sums["clipfrac"] / max(sums["policy_tokens"], 1),
         "policy/approx_kl": sums["approx_kl"] / max(sums["policy_tokens"], 1),

@@ -1,7 +1,7 @@
 """Rollout engines: turn prompt token ids into sampled responses with their log-probs.
 
 Every engine has the same four methods, so the training loop never knows which one it drives:
-`generate` (token ids in, token ids and sampled-token log-probs out; each prompt's group also goes to an optional
+`generate` (token ids in, token ids and, if asked, sampled-token log-probs out; each prompt's group also goes to an optional
 `on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate), `update_weights`
 (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights` (verify the last
 sync).
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 @dataclass
 class Completion:
     response_ids: list[int]
-    logprobs: list[float]  # log-prob of each sampled token under the sampling distribution (after temperature)
+    logprobs: list[float] | None  # log-prob of each sampled token under the sampling distribution (after
+    # temperature); None where generate was called with logprobs=False
     finished: bool  # ended on a stop token (False: cut at max_tokens)
 
 
@@ -32,7 +33,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, greedy: bool = False, on_finish=None) -> list[list[Completion]]:
+                 seed: int, greedy: bool = False, on_finish=None, logprobs: bool = True) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         longest = max(len(p) for p in prompt_ids)
         # Left-pad so that every prompt ends where generation starts.
@@ -60,15 +61,18 @@ class HFRolloutEngine:
         if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's weights gathered after forwards with no backward
             self.model.reshard()
         new_tokens = out.sequences[:, longest:].cpu()  # [batch * n, steps]
-        # `scores` are the processed logits (temperature, top-p applied) the token was sampled from.
-        scores = torch.stack(out.scores, dim=1).float()  # [batch * n, steps, vocab]
-        logprobs = F.log_softmax(scores, dim=-1).gather(-1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
+        token_logprobs = None
+        if logprobs:  # `scores` are the processed logits (temperature, top-p applied) the token was sampled from
+            scores = torch.stack(out.scores, dim=1).float()  # [batch * n, steps, vocab]
+            token_logprobs = F.log_softmax(scores, dim=-1).gather(
+                -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
         completions = []
         for row in range(new_tokens.shape[0]):
             ids = new_tokens[row].tolist()
             stop = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)
             length = len(ids) if stop is None else stop + 1  # keep the stop token: the policy must learn to stop
-            completions.append(Completion(ids[:length], logprobs[row, :length].tolist(), stop is not None))
+            completions.append(Completion(ids[:length], None if token_logprobs is None else
+                                          token_logprobs[row, :length].tolist(), stop is not None))
         per_prompt = 1 if greedy else n
         groups = [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
         for i, group in enumerate(groups if on_finish else []):  # one batched generate: all finish together

@@ -177,7 +177,8 @@ class Rollouts:
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
             outputs = generate_and_score(self.engine, self.scorer, self.tokenizer, prompts, n=self.args.group_size,
                                          max_tokens=self.args.max_response_len, temperature=self.args.temperature,
-                                         top_p=self.args.top_p, seed=self.args.seed * 1_000_003 + step)
+                                         top_p=self.args.top_p, seed=self.args.seed * 1_000_003 + step,
+                                         logprobs=wants_rollout_logprobs(self.args, step))
         if self.device.type == "cuda":
             self.rollout_memory = memory_in_use(self.device)
         self._sleep()
@@ -304,6 +305,15 @@ class Rollouts:
         return {**evals[-1][1], "eval/version": evals[-1][0]} if evals else {}
 
 
+def wants_rollout_logprobs(args, step: int) -> bool:
+    """Whether step's rollout asks the engine for the sampled tokens' log-probs: every step with --tis-cap (the
+    loss needs them), else every --logprob-diff-every steps from the first, for the rollout/logprob_diff metric
+    (scripts without that flag never do). They are not free: vLLM's per-token bookkeeping of them is about a quarter
+    of a small model's rollout time."""
+    every = getattr(args, "logprob_diff_every", 0)
+    return getattr(args, "tis_cap", None) is not None or (every > 0 and (step - 1) % every == 0)
+
+
 def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list, cap: float) -> dict:
     """Sums over one rank's tokens of the truncated importance weights min(p_old / p_behaviour, cap) that correct
     for the rollout engine's numerical mismatch and older weights: the weight sum, how many tokens were capped, and
@@ -359,7 +369,7 @@ def evaluate(engine, eval_rows, scorer, tokenizer, args, rank: int, world: int, 
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     mine = mine + [eval_rows[0]] * (per_rank - len(mine))  # every rank generates the same number of prompts
     generate_and_score(engine, scorer, tokenizer, mine, n=1, max_tokens=args.max_response_len, temperature=1.0,
-                       top_p=1.0, seed=0, greedy=True)
+                       top_p=1.0, seed=0, greedy=True, logprobs=False)
     rewards = [group[0] for group in collect_rewards(scorer)[0]]
     total, reward_sum, correct = all_reduce_sum(
         [sum(weights), sum(w * r for w, r in zip(weights, rewards)), sum(w * (r > 0) for w, r in zip(weights, rewards))],
@@ -442,7 +452,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         start = time.perf_counter()
         outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
                                      max_tokens=args.max_response_len, temperature=args.temperature,
-                                     top_p=args.top_p, seed=args.seed * 1_000_003 + step)
+                                     top_p=args.top_p, seed=args.seed * 1_000_003 + step,
+                                     logprobs=wants_rollout_logprobs(args, step))
         seconds["generate"] = time.perf_counter() - start
         start = time.perf_counter()  # what scoring adds after generation
         samples, reward_timeouts = scored_samples(prompts, outputs, scorer, version=held)

@@ -82,9 +82,13 @@ class VLLMRolloutEngine:
         return gathered
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, greedy: bool = False, ignore_eos: bool = False, on_finish=None) -> list[list[Completion]]:
+                 seed: int, greedy: bool = False, ignore_eos: bool = False, on_finish=None,
+                 logprobs: bool = True) -> list[list[Completion]]:
         """result[i] holds the completions of prompt_ids[i]: n of them, or one when greedy. on_finish(i, result[i])
         is called as soon as all of prompt i's completions are done, while the engine goes on with the others.
+
+        logprobs=False: no sampled-token log-probs (Completion.logprobs is None). vLLM's per-token bookkeeping of
+        them costs about a quarter of the rollout time of a small model (SmolLM2-135M on GSM8K, benchmarks/README.md).
 
         ignore_eos generates exactly max_tokens (benchmarks): stop tokens are ignored too.
         """
@@ -103,7 +107,7 @@ class VLLMRolloutEngine:
             n=1 if greedy else n,  # vLLM allows only n=1 with greedy decoding
             max_tokens=max_tokens, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
             seed=request_seed(seed, self.replica, i), stop_token_ids=[] if ignore_eos else self.stop_token_ids,
-            ignore_eos=ignore_eos, logprobs=0,  # 0 extra top tokens: only the sampled token's log-prob
+            ignore_eos=ignore_eos, logprobs=0 if logprobs else None,  # 0 extra top tokens: the sampled token's only
             flat_logprobs=True, detokenize=False) for i in range(len(requests))]
         first = sum(len(p) for p in by_rank[:self.tp_rank])  # this rank's slice of the replica's requests
         results = [None] * len(prompt_ids)
@@ -163,7 +167,9 @@ def to_completion(output) -> Completion:
     under the processed (temperature, top-p) distribution. With logprobs=0 each position holds only the sampled
     token's entry, first; flat_logprobs stores them as one list (FlatLogprobs), else as one dict per position."""
     lp = output.logprobs
-    if hasattr(lp, "start_indices"):
+    if lp is None:  # not asked for
+        logprobs = None
+    elif hasattr(lp, "start_indices"):
         logprobs = [lp.logprobs[start] for start in lp.start_indices]
     else:
         logprobs = [position[token].logprob for position, token in zip(lp, output.token_ids)]

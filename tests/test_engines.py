@@ -63,3 +63,13 @@ def test_stop_tokens_include_the_generation_configs(tmp_path):
     assert stop_token_ids(str(tmp_path), tokenizer) == sorted({3, 7, tokenizer.eos_token_id})
     GenerationConfig(eos_token_id=9).save_pretrained(tmp_path)
     assert stop_token_ids(str(tmp_path), tokenizer) == sorted({9, tokenizer.eos_token_id})
+
+
+def test_logprobs_are_optional_and_do_not_change_the_samples():
+    model = tiny_model()
+    engine = HFRolloutEngine(model, stop_token_ids=[EOS], pad_token_id=0)
+    prompts = [[5, 6, 7], [8, 9]]
+    with_lp, without = (engine.generate(prompts, 3, 6, 1.0, 1.0, seed=2, logprobs=flag) for flag in (True, False))
+    assert [[c.response_ids for c in g] for g in with_lp] == [[c.response_ids for c in g] for g in without]
+    assert all(c.logprobs is not None for g in with_lp for c in g)
+    assert all(c.logprobs is None for g in without for c in g)

@@ -2,7 +2,8 @@
 
 The placements end to end (colocated, split, async, resume) are tested through the scripts (test_grpo_e2e.py,
 test_split.py, test_resume.py); here, the rule that a GPU run depends on and a CPU run (HF engine) never exercises:
-a vLLM engine that dropped its weights while asleep (level 2) is synced again before it next generates.
+a vLLM engine that dropped its weights while asleep (level 2) is synced again before it next generates; and on
+which steps a rollout asks the engine for its log-probs.
 """
 
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from common.logger import StageTimer
-from common.rollouts import Rollouts
+from common.rollouts import Rollouts, wants_rollout_logprobs
 
 
 class CountingEngine:
@@ -51,3 +52,13 @@ def test_an_engine_that_dropped_its_weights_is_synced_again(level, syncs_after_e
     rollouts.version = 1  # an update: every level syncs
     rollouts._sync()
     assert rollouts.engine.syncs == syncs_after_eval + 1
+
+
+def test_engine_logprobs_are_asked_for_where_they_are_used():
+    steps = range(1, 31)
+    asked = lambda **args: [step for step in steps if wants_rollout_logprobs(SimpleNamespace(**args), step)]
+    assert asked(tis_cap=None, logprob_diff_every=10) == [1, 11, 21]  # the metric, from the first step
+    assert asked(tis_cap=None, logprob_diff_every=1) == list(steps)
+    assert asked(tis_cap=None, logprob_diff_every=0) == []
+    assert asked(tis_cap=2.0, logprob_diff_every=0) == list(steps)  # the loss needs them every step
+    assert asked() == []  # a script without either flag (online DPO)

@@ -164,7 +164,7 @@ def test_split_placement_syncs_exact_weights(tmp_path):
     their log-probs equal the trainers' (fp32 on CPU), and every batch is fresh (staleness 0)."""
     out = tmp_path / "run"
     result = torchrun(["--rollout-ranks", "2", "--steps", "4", "--eval-every", "2", "--eval-size", "32",
-                       "--output-dir", str(out)], tmp_path, nproc=4)
+                       "--logprob-diff-every", "1", "--output-dir", str(out)], tmp_path, nproc=4)
     assert result.returncode == 0, failure(result)
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
