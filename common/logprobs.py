@@ -181,10 +181,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
 
     options = _keywords(varlen_attn)  # they changed between torch releases
     extra = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
-    if "enable_gqa" in options:
-        extra["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:  # grouped-query attention by hand: query head h reads kv head h // group
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    if "enable_gqa" in options:  # grouped-query attention: newer torch asks for it to be named; the flash kernel
+        extra["enable_gqa"] = True  # shares each kv head among its query heads natively, nothing repeated
     if scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
         if "scale" not in options:
             raise ValueError("this torch's varlen_attn has no `scale`; the model needs a non-default one")
