@@ -39,11 +39,12 @@ def nccl_world():
 def test_offload_between_phases_changes_nothing(nccl_world):
     """Three AdamW steps of an FSDP2 model with it and its optimizer parked in CPU memory between them
     (common/offload.py, ppo.py --offload) end at the weights of three steps without; parked, neither holds GPU
-    memory. A moment lost or left behind on the way would change the weights or fail the step. (One rank has no
-    padded shards: the race that blocking model copies avoid on uneven shards needs two GPUs to show.)"""
+    memory. A moment lost or left behind on the way would change the weights or fail the step."""
     from common.model import shard_model
     from common.offload import Offloader
     from common.optim import make_optimizer
+
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
 
     def train(offload: bool) -> dict:
         torch.manual_seed(0)
@@ -56,11 +57,13 @@ def test_offload_between_phases_changes_nothing(nccl_world):
                 model(ids, labels=ids).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                tensors = [local(p) for p in model.parameters()] + [
+                    local(v) for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+                in_use, size = torch.cuda.memory_allocated(), sum(t.numel() * t.element_size() for t in tensors)
             if offload:
-                on_gpu = [name for name, p in model.named_parameters() if p.to_local().is_cuda]
-                on_gpu += [key for state in optimizer.state.values() for key, value in state.items()
-                           if torch.is_tensor(value) and value.is_cuda]
-                assert not on_gpu, on_gpu[:5]
+                held = [tuple(t.shape) for t in tensors if t.untyped_storage().nbytes()]
+                assert not held, held[:5]
+                assert torch.cuda.memory_allocated() <= in_use - size  # freed: the weights and both Adam moments
         with offloader.on_gpu(model):
             return {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
 
