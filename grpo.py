@@ -38,8 +38,8 @@ from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hype
 from common.perf import TrainingMemoryPeak, mfu, peak_flops
 from common.rewards import load_reward_fn
 from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
-from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults, serve_rollouts,
-                             tis_metrics)
+from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults,
+                             mismatch_metrics, serve_rollouts)
 from common.rundir import open_run_dir
 from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
 from common.split import init_placement
@@ -327,18 +327,16 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as they came from the rollout
     (before they were shared out for training); samples: this rank's training share, with its log-probs."""
     lengths, scored = sample_lengths(samples), [s for s in samples if s["loss_weight"] > 0]  # those trained on
-    measured = [s for s in scored if s["logprobs"] is not None]  # the engine's log-probs: on some steps only
-    tis = tis_metrics([s["old_logprobs"] for s in measured], [s["logprobs"] for s in measured], args.tis_cap or 1.0)
+    mismatch = mismatch_metrics(scored, args.tis_cap or 1.0)  # the engine's log-probs against the trainer's
     sums = sum_over_ranks({
         "reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
         "truncated": sum(not s["finished"] for s in generated),
         "informative": sum(s["loss_weight"] > 0 for s in generated), "total_tokens": sum(lengths),
         "trained_tokens": sum(sample_lengths(scored)),
-        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in measured),
-        "lp_tokens": sum(len(s["response_ids"]) for s in measured),
+        "lp_diff": mismatch["lp_diff"], "lp_tokens": mismatch["lp_tokens"],
         "scored": sum(len(s["response_ids"]) for s in scored),
-        "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
+        "tis_weight": mismatch["tis_weight_sum"], "tis_capped": mismatch["tis_capped"], **stats}, device)
     count, tokens, opt_steps = sums["count"], max(sums["scored"], 1), max(sums["opt_steps"] / world, 1)
     trained = max(sums["tokens"], 1)
     metrics = {
@@ -353,7 +351,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
     if args.tis_cap is not None and sums["scored"]:  # the truncated importance weights min(p_old / p_rollout, cap)
         metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
-                        "tis/ratio_max": max_over_ranks(tis["tis_ratio_max"], device)})
+                        "tis/ratio_max": max_over_ranks(mismatch["tis_ratio_max"], device)})
     return metrics
 
 

@@ -41,8 +41,8 @@ from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hype
 from common.perf import TrainingMemoryPeak, mfu, peak_flops
 from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
 from common.rewards import load_reward_fn
-from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults, serve_rollouts,
-                             tis_metrics)
+from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults,
+                             mismatch_metrics, serve_rollouts)
 from common.rundir import open_run_dir
 from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
 from common.split import init_placement
@@ -243,8 +243,8 @@ def check_args(args: Args, world: int) -> None:
     check_ranges(args, positive=["lr", "critic_lr", "max_grad_norm", "value_clip"],
                  at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "entropy_coef",
-                               "missing_eos_penalty", "critic_warmup_steps", "eval_every", "logprob_diff_every", "save_every",
-                               "save_state_every", "keep_checkpoints"])
+                               "missing_eos_penalty", "critic_warmup_steps", "eval_every", "logprob_diff_every",
+                               "save_every", "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
@@ -526,8 +526,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as the rollout gave them (this
     rank's share of generation); samples: this rank's training share, with scores, values and advantages."""
     lengths = sample_lengths(samples)
-    measured = [s for s in samples if s["logprobs"] is not None]  # the engine's log-probs: on some steps only
-    tis = tis_metrics([s["old_logprobs"] for s in measured], [s["logprobs"] for s in measured], args.tis_cap or 1.0)
+    mismatch = mismatch_metrics(samples, args.tis_cap or 1.0)  # the engine's log-probs against the trainer's
     cat = lambda key: torch.cat([s[key] for s in samples]) if samples else torch.zeros(0)
     advantages, values, returns = cat("raw_advantages"), cat("old_values"), cat("returns")
     kl = (cat("old_logprobs") - cat("ref_logprobs")) if "ref_logprobs" in samples[0] else torch.zeros(0)
@@ -539,9 +538,8 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "train_count": len(samples), "tokens": len(advantages), "advantage": advantages.sum().item(),
         "advantage_sq": (advantages ** 2).sum().item(), "value": values.sum().item(), "return": returns.sum().item(),
         "ref_kl": kl.sum().item(),
-        "lp_diff": sum((s["old_logprobs"] - torch.tensor(s["logprobs"])).abs().sum().item() for s in measured),
-        "lp_tokens": sum(len(s["response_ids"]) for s in measured),
-        "tis_weight": tis["tis_weight_sum"], "tis_capped": tis["tis_capped"], **stats}, device)
+        "lp_diff": mismatch["lp_diff"], "lp_tokens": mismatch["lp_tokens"],
+        "tis_weight": mismatch["tis_weight_sum"], "tis_capped": mismatch["tis_capped"], **stats}, device)
     count, tokens = sums["count"], max(sums["tokens"], 1)
     steps, critic_steps = max(sums["opt_steps"] / world, 1), max(sums["critic_steps"] / world, 1)
     advantage_mean = sums["advantage"] / tokens
@@ -568,7 +566,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
     if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
         metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
-                        "tis/ratio_max": max_over_ranks(tis["tis_ratio_max"], device)})
+                        "tis/ratio_max": max_over_ranks(mismatch["tis_ratio_max"], device)})
     return metrics
 
 

@@ -1,10 +1,10 @@
 """Rollout engines: turn prompt token ids into sampled responses with their log-probs.
 
 Every engine has the same four methods, so the training loop never knows which one it drives:
-`generate` (token ids in, token ids and, if asked, sampled-token log-probs out; each prompt's group also goes to an optional
-`on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate), `update_weights`
-(bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights` (verify the last
-sync).
+`generate` (token ids in, token ids and, if asked, sampled-token log-probs out; each prompt's group also goes to an
+optional `on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate),
+`update_weights` (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights`
+(verify the last sync).
 `HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
 (CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_engine.py) is the real GPU path.
 """

@@ -314,15 +314,20 @@ def wants_rollout_logprobs(args, step: int) -> bool:
     return getattr(args, "tis_cap", None) is not None or (every > 0 and (step - 1) % every == 0)
 
 
-def tis_metrics(old_logprobs: list[torch.Tensor], behaviour_logprobs: list, cap: float) -> dict:
-    """Sums over one rank's tokens of the truncated importance weights min(p_old / p_behaviour, cap) that correct
-    for the rollout engine's numerical mismatch and older weights: the weight sum, how many tokens were capped, and
-    the largest uncapped ratio."""
-    if not old_logprobs:
-        return {"tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
-    ratio = (torch.cat(old_logprobs) - torch.cat([torch.as_tensor(b, dtype=torch.float32)
-                                                   for b in behaviour_logprobs])).exp()
-    return {"tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
+def mismatch_metrics(samples: list[dict], cap: float) -> dict:
+    """How far the rollout engine's log-probs ("logprobs") are from the trainer's ("old_logprobs"), summed over one
+    rank's samples that carry them (not every step asks for them: wants_rollout_logprobs): the absolute difference
+    and the token count (rollout/logprob_diff), and the truncated importance weights min(p_old / p_behaviour, cap)
+    that correct for the engine's numerical mismatch and older weights: the weight sum, how many tokens were
+    capped, and the largest uncapped ratio."""
+    measured = [s for s in samples if s["logprobs"] is not None]
+    if not measured:
+        return {"lp_diff": 0.0, "lp_tokens": 0, "tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
+    diff = torch.cat([s["old_logprobs"] for s in measured]) - torch.cat(
+        [torch.as_tensor(s["logprobs"], dtype=torch.float32) for s in measured])
+    ratio = diff.exp()
+    return {"lp_diff": diff.abs().sum().item(), "lp_tokens": diff.numel(),
+            "tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
             "tis_ratio_max": ratio.max().item()}
 
 

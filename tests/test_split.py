@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.rollouts import tis_metrics
+from common.rollouts import mismatch_metrics
 from common.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object, recv_weights,
                           send_object, staleness_metrics, weight_versions)
 import launcher
@@ -52,7 +52,11 @@ def test_truncated_importance_weights_by_hand():
     # Two sequences; ratios p_old / p_behaviour = exp(old - behaviour) = 1/2, 1, 3 (capped at 2), 4 (capped).
     old = [torch.tensor([math.log(0.25), math.log(0.5)]), torch.tensor([math.log(0.6), math.log(0.8)])]
     behaviour = [[math.log(0.5), math.log(0.5)], [math.log(0.2), math.log(0.2)]]
-    stats = tis_metrics(old, behaviour, cap=2.0)
+    samples = [dict(old_logprobs=o, logprobs=b) for o, b in zip(old, behaviour)]
+    samples.append(dict(old_logprobs=torch.tensor([0.0, -9.0]), logprobs=None))  # a step that did not ask: skipped
+    stats = mismatch_metrics(samples, cap=2.0)
+    assert stats["lp_tokens"] == 4
+    assert stats["lp_diff"] == pytest.approx(math.log(2) + 0 + math.log(3) + math.log(4), rel=1e-6)
     assert stats["tis_weight_sum"] == pytest.approx(0.5 + 1 + 2 + 2, rel=1e-6)
     assert stats["tis_capped"] == 2
     assert stats["tis_ratio_max"] == pytest.approx(4.0, rel=1e-6)
