@@ -273,6 +273,12 @@ def add_group_advantages(samples: list[dict], args: Args) -> None:
         s["advantage"], s["loss_weight"] = a, float(keep)
 
 
+def on_policy(args: Args) -> bool:
+    """One optimizer step per rollout batch: the policy that sampled (up to the engine's numerics) is the one updated,
+    so the PPO ratio is exactly 1 and the old log-probs need no pass of their own (as in TRL's GRPOTrainer)."""
+    return args.epochs == 1 and args.num_mini_batches == 1
+
+
 def update_policy(model, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict[str, float]:
     """PPO-style epochs over mini-batches of the rollout batch; one optimizer step per mini-batch. Each mini-batch
     runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on all ranks, so the
@@ -299,7 +305,12 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                     (logprobs[0].sum() * 0.0).backward()
                     continue
                 logprobs, entropy = pad_rows(logprobs), pad_rows(entropy)  # [n, longest response]
-                old = pad_rows([s["old_logprobs"] for s in mbs]).to(device)
+                if on_policy(args):  # ratio 1, gradient of the log-probs; kept for the rollout-mismatch metrics
+                    old = logprobs.detach()
+                    for s, lp in zip(mbs, old.float().cpu()):
+                        s["old_logprobs"] = lp[:len(s["response_ids"])]
+                else:
+                    old = pad_rows([s["old_logprobs"] for s in mbs]).to(device)
                 mask = pad_rows([[s["loss_weight"]] * len(s["response_ids"]) for s in mbs]).to(device)
                 advantages = torch.tensor([[s["advantage"]] for s in mbs], device=device)  # [n, 1]
                 ref = pad_rows([s["ref_logprobs"] for s in mbs]).to(device) if "ref_logprobs" in mbs[0] else None
@@ -435,11 +446,14 @@ def main():
         samples, _ = share_samples_evenly(generated, sample_lengths(generated), world, rank)
 
         # 4. Log-probs of the sampled tokens under the current (old) policy and the reference (groups with signal).
+        # With one optimizer step per batch the old policy is the one being updated: its log-probs come from the
+        # update's own forward pass (detached), not from a pass of their own.
         training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
         with timer("logprobs"):
             budget, kept = args.max_tokens_per_micro_batch, [s for s in samples if s["loss_weight"] > 0]
-            for s, lp in zip(kept, compute_logprobs(policy, kept, budget, args.temperature, device)):
-                s["old_logprobs"] = lp
+            if not on_policy(args):
+                for s, lp in zip(kept, compute_logprobs(policy, kept, budget, args.temperature, device)):
+                    s["old_logprobs"] = lp
             if reference is not None:
                 for s, lp in zip(kept, compute_logprobs(reference, kept, budget, args.temperature, device)):
                     s["ref_logprobs"] = lp
