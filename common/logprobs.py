@@ -2,8 +2,8 @@
 
 The decoder body runs over a packed row (common/batching.py), then the LM head runs in chunks on the scored
 positions only, so the float32 [tokens, vocab] logits never exist for a whole micro-batch, in forward or backward.
-On GPU the attention over a packed row is torch's flash-attention varlen kernel; elsewhere transformers' sdpa,
-which builds the block-diagonal causal mask from the position ids.
+Each packed sequence attends to itself only (use_packed_attention): on GPU through torch's varlen kernels (flash
+attention in bf16, memory-efficient attention in fp32), on CPU through sdpa per sequence length.
 """
 
 import functools
@@ -164,8 +164,9 @@ def _keywords(function) -> frozenset[str]:
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """A transformers attention function over a packed row: torch's flash-attention varlen kernel on GPU, and on
-    CPU or in fp32 plain sdpa over the sequences grouped by length (one causal call per distinct length).
+    """A transformers attention function over a packed row: torch's flash-attention varlen kernel on GPU in bf16, its
+    memory-efficient kernel in fp32, and on CPU plain sdpa over the sequences grouped by length (one causal call per
+    distinct length).
 
     query [1, heads, total, head_dim], key/value [1, kv_heads, total, head_dim] -> ([1, total, heads, head_dim], None).
     Each sequence (cu_seq_lens_q) attends causally to itself only: no mask, no wasted work across sequences.
@@ -175,8 +176,11 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if dropout:
         raise ValueError(f"{VARLEN_ATTENTION} attention has no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [total, heads, head_dim]
-    if not q.is_cuda or q.dtype == torch.float32:  # the flash kernel computes in bf16/fp16 only
+    if not q.is_cuda:
         return _attention_by_length(q, k, v, cu_seq_lens_q, scaling).unsqueeze(0), None
+    if q.dtype == torch.float32:  # the flash kernel computes in bf16/fp16 only
+        k, v = _repeat_kv(k, v, q.shape[1])
+        return EfficientVarlenAttention.apply(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
     from torch.nn.attention.varlen import varlen_attn
 
     options = _keywords(varlen_attn)  # they changed between torch releases
@@ -191,13 +195,45 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     return out.unsqueeze(0), None
 
 
+def _repeat_kv(k, v, heads: int):
+    """Grouped-query attention for kernels that want as many kv heads as query heads: query head h reads kv head
+    h // group. k, v [total, kv_heads, head_dim] -> [total, heads, head_dim]."""
+    if k.shape[1] == heads:
+        return k, v
+    return (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+
+
+class EfficientVarlenAttention(torch.autograd.Function):
+    """Causal attention over a packed row in one call of torch's memory-efficient (cutlass) kernel, the one that
+    computes in fp32 too: q, k, v [total, heads, head_dim] (as many kv heads as query heads), cu_seqlens [n + 1]
+    int32 -> [total, heads, head_dim]. The kernel takes [batch, tokens, heads, head_dim]: here a batch of one row."""
+
+    CAUSAL = 1  # the kernel's custom_mask_type for causal from the top left (each sequence attends to its past)
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float | None):
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            q[None], k[None], v[None], None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+            EfficientVarlenAttention.CAUSAL, compute_log_sumexp=True, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, seed, offset, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            grad.contiguous()[None], q[None], k[None], v[None], None, out, cu_seqlens, cu_seqlens, ctx.max_seqlen,
+            ctx.max_seqlen, lse, 0.0, seed, offset, EfficientVarlenAttention.CAUSAL, False, scale=ctx.scale)
+        return dq[0], dk[0], dv[0], None, None, None
+
+
 def _attention_by_length(q, k, v, cu_seqlens, scaling) -> torch.Tensor:
     """Causal attention of each packed sequence with itself, without a mask: q [total, heads, head_dim], k and v
     [total, kv_heads, head_dim] -> [total, heads, head_dim]. Sequences of one length go through sdpa together."""
     import torch.nn.functional as F
 
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: query head h reads kv head h // group
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    k, v = _repeat_kv(k, v, q.shape[1])
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     out = torch.empty_like(q)
     for length in lengths.unique().tolist():

@@ -195,7 +195,7 @@ def bench_shape(shape: str, args, device) -> dict:
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model = shard_model(model, device, args.activation_checkpointing)
+    model = shard_model(model, device, args.activation_checkpointing, precision=args.precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     batches = [sample_batch(args.num_samples, args.prompt_len, args.median_response, args.sigma, args.max_response,
                             config.vocab_size, seed=step) for step in range(args.steps + 1)]
@@ -249,6 +249,8 @@ def main():
     parser.add_argument("--padded-micro-batch", type=int, default=None,
                         help=f"padded: samples per micro-batch (default per shape: {PADDED_MICRO_BATCH})")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                        help="GPU compute dtype of the step (master weights stay fp32); MFU is against the bf16 peak")
     parser.add_argument("--profile", default=None, metavar="PREFIX",
                         help="profile one more step of each shape and mode, before the timed ones and not timed: a "
                              "summary to PREFIX_SHAPE_MODE.txt")

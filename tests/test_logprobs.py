@@ -1,5 +1,6 @@
 """Log-probs on packed rows (common/logprobs.py): packed == padded, no attention across sequences, and the chunked LM
-head == the full one, in values and gradients; on GPU, the varlen attention == padded."""
+head == the full one, in values and gradients; on GPU, the varlen attention == padded, and in fp32 == exact attention
+per sequence, in values and gradients."""
 
 import pytest
 import torch
@@ -114,3 +115,36 @@ def test_packed_attention_on_gpu_matches_padded(attn):
           f"{rounding:.4f}, |packed - alone| {leak.mean():.4f} (max {leak.max():.4f})")
     assert diff.mean() < 2 * rounding + 0.01, f"mean {diff.mean():.4f} against bf16 rounding {rounding:.4f}"
     assert leak.mean() < rounding + 0.01, f"mean {leak.mean():.4f} against bf16 rounding {rounding:.4f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp32_packed_attention_on_gpu_matches_exact_attention_per_sequence(compiled):
+    """fp32 goes through the memory-efficient kernel on the whole packed row (with grouped-query heads): against
+    causal softmax attention computed per sequence in float64, forward and backward."""
+    from common.logprobs import varlen_attention_forward
+
+    device, g = torch.device("cuda"), torch.Generator().manual_seed(0)
+    lengths, heads, kv_heads, head_dim, scale = [37, 5, 130, 64, 1, 77], 6, 2, 64, 0.11
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(1, h, sum(lengths), head_dim, generator=g).to(device).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))  # [1, heads, total, head_dim], as transformers passes them
+    upstream = torch.randn(sum(lengths), heads, head_dim, generator=g).to(device)
+    attention = torch.compile(varlen_attention_forward, dynamic=True) if compiled else varlen_attention_forward
+    out, _ = attention(None, q, k, v, None, scaling=scale, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    grads = torch.autograd.grad((out[0] * upstream).sum(), (q, k, v))
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = []
+    for start, length in zip(cu[:-1].tolist(), lengths):
+        qs, ks, vs = (x[0, :, start:start + length] for x in (q64, k64.repeat_interleave(3, 1),
+                                                               v64.repeat_interleave(3, 1)))
+        scores = (qs @ ks.transpose(-1, -2)) * scale  # [heads, length, length]
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool, device=device).triu(1), -torch.inf)
+        want.append((scores.softmax(-1) @ vs).transpose(0, 1))  # [length, heads, head_dim]
+    want = torch.cat(want)
+    want_grads = torch.autograd.grad((want * upstream.double()).sum(), (q64, k64, v64))
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
