@@ -235,7 +235,8 @@ class Rollouts:
     def _sleep(self) -> None:
         """Frees the engine's memory for training. A vLLM engine at sleep level 2 drops its weights, so the next
         rollout or evaluation loads the policy again, even one it held before (after an evaluation)."""
-        self.engine.sleep()
+        with self.timer("sleep"):  # vLLM: KV cache unmapped, weights parked in CPU memory (level 1) or dropped
+            self.engine.sleep()
         if getattr(self.engine, "sleep_level", 1) == 2:
             self.synced_version = -1
 
