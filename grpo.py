@@ -273,9 +273,11 @@ def add_group_advantages(samples: list[dict], args: Args) -> None:
         s["advantage"], s["loss_weight"] = a, float(keep)
 
 
-def on_policy(args: Args) -> bool:
-    """One optimizer step per rollout batch: the policy that sampled (up to the engine's numerics) is the one updated,
-    so the PPO ratio is exactly 1 and the old log-probs need no pass of their own (as in TRL's GRPOTrainer)."""
+def one_step_per_batch(args: Args) -> bool:
+    """One optimizer step per rollout batch: the old policy of the PPO ratio (the trainer's weights before the
+    update) is the policy being updated, so the ratio is exactly 1 and the old log-probs need no pass of their own
+    (as in TRL's GRPOTrainer). With --async-rollout the samples come from an older policy all the same; TIS weighs
+    that, against these log-probs."""
     return args.epochs == 1 and args.num_mini_batches == 1
 
 
@@ -305,7 +307,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                     (logprobs[0].sum() * 0.0).backward()
                     continue
                 logprobs, entropy = pad_rows(logprobs), pad_rows(entropy)  # [n, longest response]
-                if on_policy(args):  # ratio 1, gradient of the log-probs; kept for the rollout-mismatch metrics
+                if one_step_per_batch(args):  # ratio 1, the log-probs' gradient; kept for rollout/logprob_diff
                     old = logprobs.detach()
                     for s, lp in zip(mbs, old.float().cpu()):
                         s["old_logprobs"] = lp[:len(s["response_ids"])]
@@ -451,7 +453,7 @@ def main():
         training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
         with timer("logprobs"):
             budget, kept = args.max_tokens_per_micro_batch, [s for s in samples if s["loss_weight"] > 0]
-            if not on_policy(args):
+            if not one_step_per_batch(args):
                 for s, lp in zip(kept, compute_logprobs(policy, kept, budget, args.temperature, device)):
                     s["old_logprobs"] = lp
             if reference is not None:

@@ -123,11 +123,11 @@ def test_two_ranks_match_one_rank(tmp_path, loss_agg):
         torch.testing.assert_close(two["state"][name], weight, rtol=1e-4, atol=1e-5)
 
 
-def update_on_policy(rank: int, port: int, out_dir: str):
+def update_one_step_per_batch(rank: int, port: int, out_dir: str):
     """One optimizer step per batch, with the old log-probs taken from the update's own forward (the default) and
     from a pass of their own before it."""
     init_gloo(rank, 1, port)
-    results, own_pass = {}, grpo.on_policy
+    results, own_pass = {}, grpo.one_step_per_batch
     for name in ("from_update", "own_pass"):
         model = shard_model(tiny_model(), torch.device("cpu"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -136,20 +136,20 @@ def update_on_policy(rank: int, port: int, out_dir: str):
         if name == "own_pass":
             for s, lp in zip(samples, passed):
                 s["old_logprobs"] = lp
-        grpo.on_policy = own_pass if name == "from_update" else (lambda args: False)
+        grpo.one_step_per_batch = own_pass if name == "from_update" else (lambda args: False)
         stats = grpo.update_policy(model, optimizer, samples, grpo.Args(max_response_len=4), 1, torch.device("cpu"),
                                    None)
         results[name] = {"state": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
                          "old": [s["old_logprobs"] for s in samples], "passed": passed, "loss": stats["loss"]}
-    torch.save(results, os.path.join(out_dir, "on_policy.pt"))
+    torch.save(results, os.path.join(out_dir, "one_step.pt"))
     finish_gloo()
 
 
-def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
-    assert grpo.on_policy(grpo.Args()) and not grpo.on_policy(grpo.Args(epochs=2))
-    assert not grpo.on_policy(grpo.Args(num_mini_batches=2))
-    launcher.spawn(update_on_policy, args=(free_port(), str(tmp_path)), nprocs=1)
-    results = torch.load(tmp_path / "on_policy.pt")
+def test_one_step_per_batch_takes_old_logprobs_from_the_update_forward(tmp_path):
+    assert grpo.one_step_per_batch(grpo.Args()) and not grpo.one_step_per_batch(grpo.Args(epochs=2))
+    assert not grpo.one_step_per_batch(grpo.Args(num_mini_batches=2))
+    launcher.spawn(update_one_step_per_batch, args=(free_port(), str(tmp_path)), nprocs=1)
+    results = torch.load(tmp_path / "one_step.pt")
     short, full = results["from_update"], results["own_pass"]
     for got, expected in zip(short["old"], full["passed"]):  # kept for rollout/logprob_diff, per response token
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
