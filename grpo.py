@@ -309,7 +309,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                 logprobs, entropy = pad_rows(logprobs), pad_rows(entropy)  # [n, longest response]
                 if one_step_per_batch(args):  # ratio 1, the log-probs' gradient; kept for rollout/logprob_diff
                     old = logprobs.detach()
-                    for s, lp in zip(mbs, old.float().cpu()):
+                    for s, lp in zip(mbs, old.cpu()):
                         s["old_logprobs"] = lp[:len(s["response_ids"])]
                 else:
                     old = pad_rows([s["old_logprobs"] for s in mbs]).to(device)

@@ -127,7 +127,7 @@ def update_one_step_per_batch(rank: int, port: int, out_dir: str):
     """One optimizer step per batch, with the old log-probs taken from the update's own forward (the default) and
     from a pass of their own before it."""
     init_gloo(rank, 1, port)
-    results, own_pass = {}, grpo.one_step_per_batch
+    results, default_rule = {}, grpo.one_step_per_batch
     for name in ("from_update", "own_pass"):
         model = shard_model(tiny_model(), torch.device("cpu"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -136,7 +136,7 @@ def update_one_step_per_batch(rank: int, port: int, out_dir: str):
         if name == "own_pass":
             for s, lp in zip(samples, passed):
                 s["old_logprobs"] = lp
-        grpo.one_step_per_batch = own_pass if name == "from_update" else (lambda args: False)
+        grpo.one_step_per_batch = default_rule if name == "from_update" else (lambda args: False)
         stats = grpo.update_policy(model, optimizer, samples, grpo.Args(max_response_len=4), 1, torch.device("cpu"),
                                    None)
         results[name] = {"state": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
