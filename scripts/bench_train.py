@@ -1,6 +1,7 @@
 """Benchmark the training step: packed token-budget micro-batches against padded fixed-size ones, in one run.
 
-A random-weight Qwen2.5 shape on one GPU under FSDP2 (bf16 compute, fp32 master weights, AdamW), fed batches of
+A random-weight Qwen2.5 shape under FSDP2 on one GPU, or sharded over several with torchrun (each rank steps through
+the same batches, so tokens/s and MFU are per GPU) (bf16 compute, fp32 master weights, AdamW), fed batches of
 samples whose responses have long-tailed lengths (lognormal, median --median-response, capped at --max-response)
 after a --prompt-len-token prompt. Every step is GRPO-shaped: log-probs of the response tokens, an
 advantage-weighted token-mean loss, backward, AdamW. Both modes see the same batches:
@@ -19,6 +20,7 @@ Shapes: Qwen2.5's (0.5b, 1.5b, 7b) and SmolLM2-135M's (135m).
 
     python scripts/bench_train.py --out benchmarks/results/train_packing_1gpu.json
     python scripts/bench_train.py --tiny        # CPU smoke test, seconds
+    torchrun --nproc_per_node 2 scripts/bench_train.py --shapes 7b --modes compiled --max-tokens 8192
 """
 
 import argparse
@@ -260,17 +262,18 @@ def main():
     if args.tiny:
         args.shapes, args.num_samples, args.steps, args.prompt_len = ["tiny"], 16, 1, 16
         args.median_response, args.max_response, args.chunk_tokens = 30, 200, 128
-    args.max_tokens = {s: args.max_tokens or MAX_TOKENS[s] for s in args.shapes}
-    args.padded_micro_batch = {s: args.padded_micro_batch or PADDED_MICRO_BATCH[s] for s in args.shapes}
+    args.max_tokens = {s: args.max_tokens or MAX_TOKENS.get(s, 8192) for s in args.shapes}
+    args.padded_micro_batch = {s: args.padded_micro_batch or PADDED_MICRO_BATCH.get(s, 1) for s in args.shapes}
 
     # Micro-batches of varying sizes fragment the caching allocator's fixed segments.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    _, _, device = init_distributed()
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    rank, world, device = init_distributed()
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus": world,
               "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args),
               "results": {shape: bench_shape(shape, args, device) for shape in args.shapes}}
-    print(json.dumps(report, indent=2))
-    if args.out:
+    if rank == 0:
+        print(json.dumps(report, indent=2))
+    if args.out and rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     torch.distributed.destroy_process_group()

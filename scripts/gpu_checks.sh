@@ -6,15 +6,17 @@
 #   bash scripts/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
 #   bash scripts/gpu_checks.sh 7b OUTDIR GPUS TP         # grpo at the 7B shape, FSDP over GPUS, vLLM TP=TP: 10 steps
 #                                                        # with every sync checked, device memory sampled each second
-#   bash scripts/gpu_checks.sh ppo-sync OUTDIR [GPU]     # ppo.py 20 steps at grpo_1gpu's settings, every sync checked
+#   bash scripts/gpu_checks.sh ppo-sync OUTDIR [GPUS]    # ppo.py 20 steps at grpo_1gpu's settings, every sync checked
+#                                                        # (GPUS a list such as 0,1: FSDP over them, a replica on each)
 #   bash scripts/gpu_checks.sh ppo-verl OUTDIR [GPU]     # ppo.py at verl's published PPO shape: 256 prompts of 1024
 #                                                        # tokens, 512 new, compiled vLLM; tokens/s end to end, by stage
 #   bash scripts/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
 #   bash scripts/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 1, 2, 1 on one machine
 #                                                        # (12 steps each): does level 2 change anything but the sync?
 #                                                        # BASELINE=DIR adds an older checkout's grpo.py at level 1
-#   bash scripts/gpu_checks.sh dpo OUTDIR [GPU]          # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
+#   bash scripts/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
+#                                                        # (SHAPE=7b SCRATCH=/dev/shm ... dpo OUT 0,1: 7B over 2 GPUs)
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
 # mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
 # together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
@@ -136,8 +138,9 @@ elif [ "$mode" = 7b ]; then
 fi
 # ppo makes both PPO runs, ppo-sync and ppo-verl one each (each fits in a 10-minute call, the two together may not).
 if [ "$mode" = ppo ] || [ "$mode" = ppo-sync ]; then
-  run ppo_sync 300 ${3:-0} torchrun --standalone --nproc_per_node 1 ppo.py $SMALL --rollout-eager \
-    --output-dir /tmp/p1_$mode $EXTRA
+  g=${3:-0}; n=$(echo "$g" | tr , '\n' | wc -l)  # a list of GPUs: FSDP over them, one vLLM replica on each
+  run ppo_sync$([ "$n" = 1 ] || echo _${n}gpu) 300 $g torchrun --standalone --nproc_per_node "$n" ppo.py $SMALL \
+    --rollout-eager --output-dir /tmp/p1_$mode $EXTRA
 fi
 if [ "$mode" = ppo ] || [ "$mode" = ppo-verl ]; then
   # verl's published PPO run (Qwen2.5-0.5B-Instruct, GSM8K, 1 GPU): 256 prompts x about 382 tokens, 66 s a step, about
@@ -162,9 +165,10 @@ if [ "$mode" = dpo ]; then
   # miss it: step 1's loss and rewards are in the summary.
   python3 scripts/random_data.py pairs --rows 1344 --out /tmp/hh_like_pairs_$mode.jsonl || exit 1
   rm -rf /tmp/dpo_ref_cache_$mode
-  run dpo_1gpu 420 ${3:-0} torchrun --standalone --nproc_per_node 1 dpo.py --model $model \
+  g=${3:-0}; n=$(echo "$g" | tr , '\n' | wc -l); name=dpo_$([ "$n" = 1 ] && echo 1gpu || echo ${shape}_${n}gpu)
+  run $name 420 $g torchrun --standalone --nproc_per_node "$n" dpo.py --model $model \
     --dataset /tmp/hh_like_pairs_$mode.jsonl --pairs-per-step 128 --steps 10 --eval-size 64 --eval-every 0 \
     --max-len 1024 --max-tokens-per-micro-batch 8192 --ref-cache /tmp/dpo_ref_cache_$mode --skip-start-check \
-    --save-state-every 0 --resume none --overwrite --output-dir /tmp/dpo_$mode $EXTRA
-  summary dpo_1gpu /tmp/dpo_$mode
+    --save-state-every 0 --resume none --overwrite --output-dir "${SCRATCH:-/tmp}/dpo_$mode" $EXTRA
+  summary $name "${SCRATCH:-/tmp}/dpo_$mode"
 fi

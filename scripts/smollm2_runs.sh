@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The real-model recipes: SmolLM2-135M-Instruct (../shared/models/README.md makes it) on the data in ../shared/data,
-# one GPU each. benchmarks/README.md records what each gave.
+# one GPU each unless NPROC says otherwise. benchmarks/README.md records what each gave.
 #
 #   bash scripts/smollm2_runs.sh RECIPE OUT [extra flags for the script]
+#   NPROC=2 bash scripts/smollm2_runs.sh grpo-addition OUT                     # 2 GPUs, colocated: both train and
+#                                                                              # generate, each half the prompts
+#   NPROC=2 bash scripts/smollm2_runs.sh grpo-addition OUT --rollout-ranks 1 --async-rollout
+#                                                                              # 2 GPUs, split: one trains, one
+#                                                                              # generates one step ahead
 #
 #   grpo-addition      grpo.py, 32 prompts x 8, lr 1e-5, 30 steps               (held-out greedy accuracy)
 #   grpo-gsm8k         grpo.py on GSM8K with a prompt template asking for "#### N"
@@ -18,7 +23,7 @@
 # At the scripts' defaults SmolLM2 trains in fp32 on both sides (--precision auto: under 0.3B parameters; dpo-hh, offline,
 # stays bf16); append --precision bf16 for the bf16 runs of benchmarks/README.md's earlier rows.
 # MODEL (default /tmp/smollm2) and DATA (default ../shared/data) say where the model and the data are; PORT
-# (default 29500) is torchrun's port, to run two recipes at once.
+# (default 29500) is torchrun's port, to run two recipes at once; NPROC (default 1) is the number of GPUs (processes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 recipe=${1:?recipe}; out=${2:?output directory}; shift 2
@@ -28,7 +33,7 @@ addition=(--model "$model" --dataset "$data/addition/train.jsonl" --prompt-key q
 gsm8k_template="{prompt}
 Let's think step by step and output the final answer after \"####\"."
 hh="$data/hh-rlhf/harmless-base-test.jsonl.gz"
-run=(torchrun --nproc_per_node 1 --master-port "${PORT:-29500}")
+run=(torchrun --nproc_per_node "${NPROC:-1}" --master-port "${PORT:-29500}")
 case $recipe in
   grpo-addition) exec "${run[@]}" grpo.py "${addition[@]}" --prompts-per-step 32 --group-size 8 \
                    --lr 1e-5 --steps 30 --rollout-gpu-memory 0.3 --output-dir "$out" "$@" ;;
