@@ -1,7 +1,7 @@
 """Benchmark the training step: packed token-budget micro-batches against padded fixed-size ones, in one run.
 
-A random-weight Qwen2.5 shape under FSDP2 on one GPU, or sharded over several with torchrun (each rank steps through
-the same batches, so tokens/s and MFU are per GPU) (bf16 compute, fp32 master weights, AdamW), fed batches of
+A random-weight Qwen2.5 shape under FSDP2 (bf16 compute, fp32 master weights, AdamW) on one GPU, or sharded over
+several under torchrun, where every rank steps through the same batches (tokens/s and MFU are per GPU), fed batches of
 samples whose responses have long-tailed lengths (lognormal, median --median-response, capped at --max-response)
 after a --prompt-len-token prompt. Every step is GRPO-shaped: log-probs of the response tokens, an
 advantage-weighted token-mean loss, backward, AdamW. Both modes see the same batches:
@@ -46,10 +46,11 @@ from scripts.random_model import SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E4
 # Besides Qwen2.5's architectures and a tiny one for CPU smoke tests (scripts/random_model.py): SmolLM2-135M's.
 LLAMA_SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                              num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5)}
-# Defaults that fit one 80 GB H100 without activation checkpointing: the packed token budget, and the padded
-# baseline's samples per micro-batch (its full float32 logits over 4k-token rows are what runs out first).
-MAX_TOKENS = {"135m": 16384, "0.5b": 16384, "1.5b": 8192, "tiny": 512}
-PADDED_MICRO_BATCH = {"135m": 8, "0.5b": 4, "1.5b": 2, "tiny": 4}
+# Defaults that fit one 80 GB H100 without activation checkpointing (7b: two H200s, peak 114 GB each): the packed token
+# budget, and the padded baseline's samples per micro-batch (its full float32 logits over 4k-token rows are what runs
+# out first).
+MAX_TOKENS = {"135m": 16384, "0.5b": 16384, "1.5b": 8192, "7b": 8192, "tiny": 512}
+PADDED_MICRO_BATCH = {"135m": 8, "0.5b": 4, "1.5b": 2, "7b": 1, "tiny": 4}
 
 
 def sample_batch(num_samples: int, prompt_len: int, median: int, sigma: float, cap: int, vocab: int,
@@ -262,8 +263,8 @@ def main():
     if args.tiny:
         args.shapes, args.num_samples, args.steps, args.prompt_len = ["tiny"], 16, 1, 16
         args.median_response, args.max_response, args.chunk_tokens = 30, 200, 128
-    args.max_tokens = {s: args.max_tokens or MAX_TOKENS.get(s, 8192) for s in args.shapes}
-    args.padded_micro_batch = {s: args.padded_micro_batch or PADDED_MICRO_BATCH.get(s, 1) for s in args.shapes}
+    args.max_tokens = {s: args.max_tokens or MAX_TOKENS[s] for s in args.shapes}
+    args.padded_micro_batch = {s: args.padded_micro_batch or PADDED_MICRO_BATCH[s] for s in args.shapes}
 
     # Micro-batches of varying sizes fragment the caching allocator's fixed segments.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
