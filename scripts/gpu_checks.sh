@@ -47,8 +47,12 @@ run() {  # run NAME TIMEOUT GPUS CMD...: one logged step
   echo "$name rc=$?"; grep -E "step +(0|10|20) \||held-out|Error|error|passed|failed" "$out/$name.log" | tail -n 6 | cut -c1-400
 }
 
+count() {  # count GPUS: how many GPUs a list such as 0,1 names
+  echo "$1" | tr , '\n' | wc -l
+}
+
 sync() {  # sync SHAPE TP GPUS: the weight-sync bench
-  local n; n=$(echo "$3" | tr , '\n' | wc -l)
+  local n; n=$(count "$3")
   run sync_$1_${n}gpu_tp$2 150 "$3" torchrun --standalone --nproc_per_node "$n" scripts/bench_sync.py --shape "$1" --tp "$2" \
     --out "$out/sync_$1_${n}gpu_tp$2.json"
 }
@@ -124,7 +128,7 @@ elif [ "$mode" = four ]; then
   sync 7b 4 $g
   run gpu_tests_batching 120 ${g%%,*} python3 -m pytest -m gpu tests/test_logprobs.py -q -rs -s -p no:cacheprovider
 elif [ "$mode" = 7b ]; then
-  g=$3; tp=$4; n=$(echo "$g" | tr , '\n' | wc -l); name=grpo_7b_${n}gpu_tp$tp
+  g=$3; tp=$4; n=$(count "$g"); name=grpo_7b_${n}gpu_tp$tp
   [ -d /tmp/qwen7b ] || python3 scripts/random_model.py --shape 7b --out /tmp/qwen7b || exit 1
   # nvidia-smi sees vLLM's memory too; PyTorch's own peak is the run's perf/peak_memory_gb
   nvidia-smi -i "$g" --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 \
@@ -138,7 +142,7 @@ elif [ "$mode" = 7b ]; then
 fi
 # ppo makes both PPO runs, ppo-sync and ppo-verl one each (each fits in a 10-minute call, the two together may not).
 if [ "$mode" = ppo ] || [ "$mode" = ppo-sync ]; then
-  g=${3:-0}; n=$(echo "$g" | tr , '\n' | wc -l)  # a list of GPUs: FSDP over them, one vLLM replica on each
+  g=${3:-0}; n=$(count "$g")  # a list of GPUs: FSDP over them, one vLLM replica on each
   run ppo_sync$([ "$n" = 1 ] || echo _${n}gpu) 300 $g torchrun --standalone --nproc_per_node "$n" ppo.py $SMALL \
     --rollout-eager --output-dir /tmp/p1_$mode $EXTRA
 fi
@@ -165,7 +169,7 @@ if [ "$mode" = dpo ]; then
   # miss it: step 1's loss and rewards are in the summary.
   python3 scripts/random_data.py pairs --rows 1344 --out /tmp/hh_like_pairs_$mode.jsonl || exit 1
   rm -rf /tmp/dpo_ref_cache_$mode
-  g=${3:-0}; n=$(echo "$g" | tr , '\n' | wc -l); name=dpo_$([ "$n" = 1 ] && echo 1gpu || echo ${shape}_${n}gpu)
+  g=${3:-0}; n=$(count "$g"); name=dpo_$([ "$n" = 1 ] && echo 1gpu || echo ${shape}_${n}gpu)
   run $name 420 $g torchrun --standalone --nproc_per_node "$n" dpo.py --model $model \
     --dataset /tmp/hh_like_pairs_$mode.jsonl --pairs-per-step 128 --steps 10 --eval-size 64 --eval-every 0 \
     --max-len 1024 --max-tokens-per-micro-batch 8192 --ref-cache /tmp/dpo_ref_cache_$mode --skip-start-check \
