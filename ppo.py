@@ -96,14 +96,19 @@ class Args:
     """vllm on GPUs when installed, else hf (the trained model's own generate, slow but runs anywhere)"""
     rollout_tp: int = 1
     """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
-    rollout_gpu_memory: float = 0.5
-    """fraction of GPU memory vLLM may take for weights and KV cache; above 1: GiB of KV cache, which skips vLLM's
-    start-up memory profiling (for several runs on one GPU, whose memory use changes while one starts)"""
+    rollout_gpu_memory: float | None = None
+    """vLLM's memory. Unset: a KV cache that holds a step's sequences at once (a replica's prompts x --group-size, or
+    its held-out prompts, of up to --max-prompt-len + --max-response-len tokens; at most 40% of the GPU), as mapping
+    it back after each sleep takes about 1-3 ms per GB. Up to 1: vLLM's share of the GPU for weights and KV cache.
+    Above 1: GiB of KV cache. Sized in GiB (unset or above 1), vLLM skips its start-up memory profiling, which fails
+    when other processes on the GPU change their memory use meanwhile"""
     rollout_eager: bool = False
     """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
-    rollout_sleep_level: int = 1
-    """how colocated vLLM sleeps while the trainer runs: 1 parks its weights in CPU memory; 2 drops them (the sync
-    reloads them): sleep + sync 4.7x faster at 7B, no gain at 0.5B (benchmarks/README.md)"""
+    rollout_sleep_level: int | None = None
+    """what colocated vLLM frees while the trainer runs: 0 its KV cache only (its weights stay on the GPU and the sync
+    overwrites them in place: the fastest sync, for the memory of vLLM's weights); 1 its weights too, parked in CPU
+    memory; 2 its weights too, dropped (the sync maps them back empty and fills them). Unset: 0 while vLLM's weights
+    take at most 15% of the GPU, else 2 (benchmarks/README.md)"""
     sync_bucket_mb: int = 512
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False

@@ -111,6 +111,12 @@ def gold_answers_scored(spec: str, rows: list[dict], timeout_s: float | None) ->
         scorer.close()
 
 
+def sequences_at_once(args, world: int, num_eval: int) -> int:
+    """The most sequences one vLLM replica holds at once (what its KV cache is sized for by default): its ranks'
+    prompts of a step times --group-size, or their share of the held-out prompts (one greedy response each)."""
+    return args.rollout_tp * max(args.prompts_per_step // world * args.group_size, -(-num_eval // world))
+
+
 class Rollouts:
     """On every training rank. `args` holds the rollout flags every script shares (see grpo.Args)."""
 
@@ -143,7 +149,11 @@ class Rollouts:
                 args.rollout_engine, policy, model_dir, tokenizer, stop_token_ids(args.model, tokenizer),
                 placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
                 args.seed, args.rollout_eager, args.sync_bucket_mb, args.rollout_sleep_level,
-                compute_dtype(args.precision))
+                compute_dtype(args.precision), sequences_at_once(args, placement.world, len(eval_rows)))
+            if getattr(self.engine, "llm", None) is not None:
+                memory = f"{self.engine.kv_cache_gib:.1f} GiB of KV cache" if self.engine.kv_cache_gib else \
+                    f"{args.rollout_gpu_memory:.0%} of the GPU"
+                logger.print(f"vLLM: {memory}, sleep level {self.engine.sleep_level}")
             self._sleep()  # until the first rollout: loading a training state needs the memory
         use_packed_attention(policy, device)  # training runs on packed rows
         self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
@@ -235,7 +245,7 @@ class Rollouts:
     def _sleep(self) -> None:
         """Frees the engine's memory for training. A vLLM engine at sleep level 2 drops its weights, so the next
         rollout or evaluation loads the policy again, even one it held before (after an evaluation)."""
-        with self.timer("sleep"):  # vLLM: KV cache unmapped, weights parked in CPU memory (level 1) or dropped
+        with self.timer("sleep"):  # vLLM: KV cache unmapped; weights kept (level 0), parked in CPU memory (1) or dropped
             self.engine.sleep()
         if getattr(self.engine, "sleep_level", 1) == 2:
             self.synced_version = -1
@@ -405,7 +415,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
     if args.rollout_engine == "vllm":
         engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
                                      args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
-                                     args.rollout_eager, args.sync_bucket_mb, dtype=compute_dtype(args.precision))
+                                     args.rollout_eager, args.sync_bucket_mb, dtype=compute_dtype(args.precision),
+                                     max_sequences=sequences_at_once(args, placement.world, len(eval_rows)))
         with torch.device("meta"):  # names and shapes only
             shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
         dtype, load, loaded = engine.dtype, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache

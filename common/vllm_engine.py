@@ -5,9 +5,19 @@ r % tp of replica r // tp, using the trainer's own torch.distributed world. The 
 it the same requests in the same order, so `generate` first gathers their prompts, and seeds every request
 explicitly. The engine starts with dummy weights; `update_weights` streams the trainer's weights in before every
 rollout (sharding/vllm_sync.py), and `sleep` hands vLLM's memory to the trainer between rollouts.
+
+What sleeping frees (sleep_level), and what the next sync then pays for (benchmarks/README.md, bench_sync.py):
+  0: the KV cache only. The weights stay on the GPU, where the sync overwrites them in place: the cheapest sleep and
+     sync; the trainer has vLLM's weights (the bf16 model / --rollout-tp) less memory.
+  1: also the weights, parked in CPU memory; the wake-up copies them back, only for the sync to overwrite them.
+  2: also the weights, dropped; the wake-up maps empty memory that the sync fills.
+  None: 0 when vLLM's weights take at most 15% of the GPU's memory, else 2.
+Mapping memory back costs about 1-3 ms per GB, so the KV cache is sized by default to what a rollout needs
+(`kv_cache_gib`), not to a share of the GPU.
 """
 
 import hashlib
+import math
 import os
 import time
 
@@ -28,18 +38,44 @@ def request_seed(step_seed: int, replica: int, request_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2  # < 2**62: fits int64
 
 
+KEEP_WEIGHTS_UP_TO = 0.15  # sleep_level None: level 0 while vLLM's weights take at most this share of the GPU
+KV_CACHE_CAP = 0.4  # the default KV cache takes at most this share of the GPU (vLLM then queues the rest)
+
+
+def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_model_len: int,
+                 device_gib: float) -> float:
+    """GiB of KV cache per GPU for `sequences` sequences of up to max_model_len tokens at once, plus a tenth.
+
+    Per token and rank: keys and values of every layer, for this rank's kv heads (at least one: vLLM copies kv heads
+    when tp_size exceeds them). Exact for dense attention, an overestimate for sliding windows or latent attention.
+    At least 0.5 GiB, at most KV_CACHE_CAP of the GPU.
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = max(1, getattr(config, "num_key_value_heads", config.num_attention_heads) // tp_size)
+    bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    tokens = sequences * math.ceil(max_model_len / 16) * 16  # vLLM's blocks hold 16 tokens
+    return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
+
+
+def default_sleep_level(weight_bytes: int, device_bytes: int) -> int:
+    """0 (weights stay on the GPU) when they take at most KEEP_WEIGHTS_UP_TO of it, else 2 (dropped)."""
+    return 0 if weight_bytes <= KEEP_WEIGHTS_UP_TO * device_bytes else 2
+
+
 class VLLMRolloutEngine:
-    def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float, max_model_len: int,
+    def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float | None, max_model_len: int,
                  stop_token_ids: list[int], seed: int, enforce_eager: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int | None = None,
+                 max_sequences: int = 256):
         """Call on every rank, after torch.distributed is initialised; model_path needs only config.json.
 
-        sleep_level 2 drops vLLM's weights while the trainer runs: `update_weights` maps fresh memory for them and
-        loads the trainer's, with nothing copied back from the CPU, and until then the engine cannot generate.
-        1 parks them in CPU memory: they come back on wake-up, only for the sync to overwrite them.
+        gpu_memory_utilization: vLLM's share of the GPU (weights and KV cache); above 1, GiB of KV cache; None, the KV
+        cache of max_sequences sequences at once (kv_cache_gib). sleep_level: see the module's docstring. After
+        level 2 the engine cannot generate until `update_weights` has loaded the trainer's weights.
         """
-        if sleep_level not in (1, 2):
-            raise ValueError(f"vLLM's sleep level is 1 or 2, got {sleep_level}")
+        if sleep_level not in (None, 0, 1, 2):
+            raise ValueError(f"the rollout engine's sleep level is 0, 1 or 2, got {sleep_level}")
+        from transformers import AutoConfig
         from vllm import LLM
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,7 +83,7 @@ class VLLMRolloutEngine:
             raise ValueError(f"tensor-parallel size {tp_size} must divide the world size {world}")
         self.replica, self.tp_rank, self.tp_size = rank // tp_size, rank % tp_size, tp_size
         self.stop_token_ids, self.dtype = list(stop_token_ids), dtype
-        self.sync_bucket_mb, self.sleep_level = sync_bucket_mb, sleep_level
+        self.sync_bucket_mb = sync_bucket_mb
         self.asleep = False
         # One small CPU group per replica to share prompts; every rank creates all of them, in the same order.
         self.tp_group = None
@@ -59,18 +95,28 @@ class VLLMRolloutEngine:
         # The engine core must run in this process: vLLM asserts it for external_launcher, and reads it once.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         torch.cuda.empty_cache()  # vLLM sizes itself from the free memory: the trainer's cached blocks are not free
-        # Above 1: GiB of KV cache, set outright; vLLM then skips its start-up memory profiling, which fails when other
+        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if gpu_memory_utilization is None:
+            self.kv_cache_gib = kv_cache_gib(AutoConfig.from_pretrained(model_path), dtype, tp_size, max_sequences,
+                                             max_model_len, device_bytes / 2**30)
+        else:
+            self.kv_cache_gib = gpu_memory_utilization if gpu_memory_utilization > 1 else None
+        # GiB of KV cache are set outright: vLLM then skips its start-up memory profiling, which fails when other
         # processes on the GPU change their memory use meanwhile (several runs sharing one GPU: scripts/ablate.py).
-        memory = dict(gpu_memory_utilization=gpu_memory_utilization) if gpu_memory_utilization <= 1 else \
-            dict(gpu_memory_utilization=0.01, kv_cache_memory_bytes=int(gpu_memory_utilization * 2**30))
+        memory = dict(gpu_memory_utilization=gpu_memory_utilization) if self.kv_cache_gib is None else \
+            dict(gpu_memory_utilization=0.01, kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30))
         self.llm = LLM(
             model=model_path, distributed_executor_backend="external_launcher", tensor_parallel_size=tp_size,
             enable_sleep_mode=True, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
             load_format="dummy",  # the real weights arrive with the first update_weights
             **memory, max_model_len=max_model_len,
             dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager)
-        # vLLM's model object in this process (V1 engine, in-process executor); get_model() unwraps CUDA graphs.
-        self.vllm_model = self.llm.llm_engine.model_executor.driver_worker.worker.get_model()
+        # vLLM's worker and model object in this process (V1 engine, in-process executor); get_model() unwraps CUDA
+        # graphs.
+        self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        self.vllm_model = self.worker.get_model()
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.vllm_model.parameters())
+        self.sleep_level = default_sleep_level(weight_bytes, device_bytes) if sleep_level is None else sleep_level
 
     def _gather_prompts(self, prompt_ids: list[list[int]]) -> list[list[list[int]]]:
         """Prompts of every rank of this replica, by TP rank: [tp_size][num_prompts_of_that_rank][tokens]."""
@@ -95,12 +141,13 @@ class VLLMRolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:  # rollout without a sync since the last sleep: bring back the last synced weights
+        if self.asleep:  # rollout without a sync since the last sleep: the last synced weights are still good
             if self.sleep_level == 2:
                 raise RuntimeError("the engine slept at level 2 and has no weights: call update_weights first")
-            torch.cuda.empty_cache()
-            self.llm.wake_up()
-            self.asleep = False
+            if self.sleep_level == 1:
+                torch.cuda.empty_cache()
+                self.llm.wake_up(tags=["weights"])
+            self._wake_kv_cache()
         by_rank = self._gather_prompts(prompt_ids)
         requests = [TokensPrompt(prompt_token_ids=p) for rank_prompts in by_rank for p in rank_prompts]
         params = [SamplingParams(
@@ -131,8 +178,8 @@ class VLLMRolloutEngine:
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Collective: brings the trainer's current weights into vLLM, waking it up around them."""
         start = time.perf_counter()
-        if self.asleep:
-            torch.cuda.empty_cache()  # return the trainer's cached blocks so vLLM can map its memory back
+        if self.asleep and self.sleep_level:
+            self._make_room("weights")
             # Weights first, the KV cache is not needed to load them. After level 2 this maps empty memory (and
             # restores vLLM's buffers, e.g. rotary tables, from the CPU); after level 1 it copies the old weights back.
             self.llm.wake_up(tags=["weights"])
@@ -140,20 +187,54 @@ class VLLMRolloutEngine:
         num_bytes = sync_weights_to_vllm(model, self.vllm_model, self.sync_bucket_mb, self.dtype)
         sync_seconds = time.perf_counter() - synced
         if self.asleep:
-            torch.cuda.empty_cache()  # the sync's buffers: give them back before vLLM maps its KV cache again
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+            self._wake_kv_cache()
+        else:  # awake, the prefix cache holds prompt KV computed by the old weights (sleeping emptied it)
+            self.llm.reset_prefix_cache()
         return {"sync/seconds": sync_seconds, "sync/gb": num_bytes / 1e9,
                 "sync/gb_per_s": num_bytes / 1e9 / max(sync_seconds, 1e-9),
                 "sync/wake_seconds": time.perf_counter() - start - sync_seconds}
 
     def sleep(self) -> None:
-        """Frees vLLM's KV cache and drops its weights (level 2) or parks them on the CPU (level 1), so the trainer
-        can use the memory."""
-        if not self.asleep:
+        """Frees vLLM's KV cache, and at levels 1 and 2 its weights, so that the trainer can use the memory."""
+        if self.asleep:
+            return
+        if self.sleep_level == 0:
+            # vLLM's own sleep frees every allocation of its pool, so the KV cache's are freed here, as its sleep
+            # frees them (vllm/device_allocator/cumem.py), with its prompt cache emptied first.
+            from vllm.device_allocator.cumem import unmap_and_release
+            self.llm.reset_prefix_cache()
+            torch.cuda.synchronize()  # nothing may still use the KV cache
+            for allocation in self._allocations("kv_cache"):
+                unmap_and_release(allocation.handle)
+                allocation.is_asleep = True
+        else:
             self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
+        self.asleep = True
+
+    def _wake_kv_cache(self) -> None:
+        self._make_room("kv_cache")
+        if self.sleep_level == 0:
+            from vllm.device_allocator.cumem import create_and_map
+            for allocation in self._allocations("kv_cache"):
+                create_and_map(allocation.handle)
+                allocation.is_asleep = False
+            self.worker.model_runner.post_kv_cache_wake_up()  # what vLLM's wake-up does after mapping the cache
+        else:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+
+    @staticmethod
+    def _allocations(tag: str) -> list:
+        """vLLM's memory of one kind ("weights" or "kv_cache"): the allocations its sleep frees and wake-up maps."""
+        from vllm.device_allocator.cumem import CuMemAllocator
+        return [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.tag == tag]
+
+    def _make_room(self, tag: str) -> None:
+        """Empties PyTorch's cache of the trainer's freed blocks only if vLLM's memory of this kind would not fit
+        beside it (with 1 GiB to spare): otherwise the trainer keeps its blocks for the next step, and the same
+        process's vLLM reuses them for its activations."""
+        if torch.cuda.mem_get_info()[0] < sum(a.handle[1] for a in self._allocations(tag)) + 2**30:
+            torch.cuda.empty_cache()
 
     def check_weights(self, model: torch.nn.Module) -> None:
         """Collective: raises RuntimeError naming the first mismatching tensors (see check_weight_sync)."""

@@ -3,9 +3,12 @@
 A random-weight model of the chosen shape is sharded with FSDP2 over all ranks, a colocated vLLM engine is
 started (tensor parallel --tp, one replica per --tp ranks), then the training loop's cycle is repeated:
 sleep, update_weights (wake, sync, wake). Each cycle is run --iters times per sleep level, in one run:
-  0: no sleep, the pure transfer (what the sync costs at best);
+  none: no sleep, the pure transfer (what the sync costs at best);
+  0: the KV cache freed by sleep and mapped back after the sync; the weights stay (--rollout-sleep-level 0);
   1: weights parked in CPU memory by sleep and copied back by the wake-up, only to be overwritten;
   2: weights dropped by sleep, the wake-up maps empty memory and the sync fills it (--rollout-sleep-level 2).
+The KV cache is sized as the training scripts size it by default, for --sequences sequences of 1,024 tokens
+(common/vllm_engine.py kv_cache_gib), unless --gpu-memory says otherwise: mapping it back is most of a wake-up.
 The time of an iteration is the slowest rank's; the report gives medians per level (sleep, wake, transfer, and the
 in-loop sync = wake + transfer, as the training loop logs it), their ratio to the pure transfer, and the check of
 the last sync at every level (check_weight_sync).
@@ -73,9 +76,11 @@ def main():
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--master-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="dtype of the trainer's sharded weights (the sync casts them to bf16)")
-    parser.add_argument("--gpu-memory", type=float, default=0.3, help="vLLM's share of each GPU")
-    parser.add_argument("--sleep-levels", type=int, nargs="+", choices=[0, 1, 2], default=[0, 1, 2],
-                        help="cycles to time: 0 no sleep (pure transfer), 1 and 2 vLLM's sleep levels")
+    parser.add_argument("--gpu-memory", type=float, default=None,
+                        help="vLLM's share of each GPU; above 1: GiB of KV cache; unset: sized for --sequences")
+    parser.add_argument("--sequences", type=int, default=256, help="sequences the default KV cache holds at once")
+    parser.add_argument("--sleep-levels", nargs="+", choices=["none", "0", "1", "2"], default=["none", "0", "1", "2"],
+                        help="cycles to time: none (pure transfer), then the engine's sleep levels")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
 
@@ -85,13 +90,15 @@ def main():
     policy = build_policy(config, device, getattr(torch, args.master_dtype))
     engine = VLLMRolloutEngine(model_dir, tp_size=args.tp, gpu_memory_utilization=args.gpu_memory,
                                max_model_len=1024, stop_token_ids=[], seed=0, enforce_eager=True,
-                               sync_bucket_mb=args.bucket_mb)
+                               sync_bucket_mb=args.bucket_mb, max_sequences=args.sequences)
+    default_level = engine.sleep_level
     engine.update_weights(policy)  # the first sync replaces the dummy weights; not timed
 
     result = {
         "shape": args.shape, "gpus": world, "tp": args.tp, "replicas": world // args.tp,
         "device": torch.cuda.get_device_name(device), "master_dtype": args.master_dtype, "bucket_mb": args.bucket_mb,
-        "params": sum(p.numel() for p in policy.parameters()),
+        "params": sum(p.numel() for p in policy.parameters()), "kv_cache_gib": engine.kv_cache_gib,
+        "gpu_memory": args.gpu_memory, "sequences": args.sequences, "default_sleep_level": default_level,
         "torch": torch.__version__, "vllm": __import__("vllm").__version__, "levels": {},
     }
     for level in args.sleep_levels:
@@ -102,8 +109,8 @@ def main():
                     p.add_(1e-2)
             dist.barrier()
             start = time.perf_counter()
-            if level:
-                engine.sleep_level = level
+            if level != "none":
+                engine.sleep_level = int(level)
                 engine.sleep()
             slept = time.perf_counter() - start
             dist.barrier()
@@ -121,12 +128,12 @@ def main():
         check_seconds = time.perf_counter() - start
         gb = metrics["sync/gb"]
         result["sync_gb"] = gb
-        result["levels"][str(level)] = {
+        result["levels"][level] = {
             **{f"{k}_seconds_median": statistics.median(v) for k, v in times.items()},
             "in_loop_seconds": times["in_loop"], "transfer_gb_per_s_median": gb / statistics.median(times["transfer"]),
             "peak_extra_gib_max": max(extra_bytes) / 2**30, "check_passed": True, "check_seconds": check_seconds}
-    if "0" in result["levels"]:
-        pure = result["levels"]["0"]["transfer_seconds_median"]
+    if "none" in result["levels"]:
+        pure = result["levels"]["none"]["transfer_seconds_median"]
         for level in result["levels"].values():
             level["in_loop_over_pure_transfer"] = level["in_loop_seconds_median"] / pure
     if rank == 0:

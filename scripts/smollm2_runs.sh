@@ -36,15 +36,15 @@ hh="$data/hh-rlhf/harmless-base-test.jsonl.gz"
 run=(torchrun --nproc_per_node "${NPROC:-1}" --master-port "${PORT:-29500}")
 case $recipe in
   grpo-addition) exec "${run[@]}" grpo.py "${addition[@]}" --prompts-per-step 32 --group-size 8 \
-                   --lr 1e-5 --steps 30 --rollout-gpu-memory 0.3 --output-dir "$out" "$@" ;;
+                   --lr 1e-5 --steps 30 --output-dir "$out" "$@" ;;
   grpo-gsm8k) exec "${run[@]}" grpo.py --model "$model" --dataset "$data/gsm8k/train.jsonl" \
                    --prompt-key question --answer-key answer --reward-fn gsm8k --eval-size 128 \
                    --prompt-template "$gsm8k_template" --max-response-len 512 --prompts-per-step 32 --group-size 8 \
-                   --lr 1e-5 --steps 30 --eval-every 10 --rollout-gpu-memory 0.3 --output-dir "$out" "$@" ;;
+                   --lr 1e-5 --steps 30 --eval-every 10 --output-dir "$out" "$@" ;;
   ppo-addition) exec "${run[@]}" ppo.py "${addition[@]}" --prompts-per-step 64 --group-size 4 \
-                   --lr 1e-5 --steps 60 --rollout-gpu-memory 0.2 --output-dir "$out" "$@" ;;
+                   --lr 1e-5 --steps 60 --output-dir "$out" "$@" ;;
   dpo-online) exec "${run[@]}" dpo.py --online "${addition[@]}" --prompts-per-step 32 --group-size 8 \
-                   --lr 3e-6 --sft-weight 1.0 --steps 60 --rollout-gpu-memory 0.2 --output-dir "$out" "$@" ;;
+                   --lr 3e-6 --sft-weight 1.0 --steps 60 --output-dir "$out" "$@" ;;
   dpo-hh) exec "${run[@]}" dpo.py --model "$model" --dataset "$hh" --eval-size 312 --lr 5e-6 \
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
   ablate-grpo) exec python scripts/ablate.py --out "$out" --seeds 1 2 --parallel "${PARALLEL:-14}" --base \

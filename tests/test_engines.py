@@ -1,5 +1,6 @@
 """The HF rollout engine: its sampling log-probs equal a teacher-forced forward pass on the same tokens."""
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -73,3 +74,21 @@ def test_logprobs_are_optional_and_do_not_change_the_samples():
     assert [[c.response_ids for c in g] for g in with_lp] == [[c.response_ids for c in g] for g in without]
     assert all(c.logprobs is not None for g in with_lp for c in g)
     assert all(c.logprobs is None for g in without for c in g)
+
+
+def test_default_kv_cache_holds_the_sequences_of_a_step():
+    from common.vllm_engine import default_sleep_level, kv_cache_gib
+    # Qwen2.5-0.5B: 24 layers, 2 kv heads of 64 dims. In bf16, keys and values take 2 * 24 * 2 * 64 * 2 = 12,288
+    # bytes a token, so 256 sequences of 1,024 tokens take 3 GiB, and 3.3 GiB with the tenth added.
+    config = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24)
+    gib = lambda tp=1, seqs=256, length=1024, dtype=torch.bfloat16: kv_cache_gib(config, dtype, tp, seqs, length, 80)
+    assert gib() == pytest.approx(3.3)
+    assert gib(dtype=torch.float32) == pytest.approx(6.6)
+    assert gib(tp=2) == pytest.approx(1.65)  # one kv head per rank
+    assert gib(tp=4) == pytest.approx(1.65)  # still one: vLLM copies a kv head onto the ranks that share it
+    assert gib(length=1000) == pytest.approx(3.3 * 1008 / 1024)  # whole blocks of 16 tokens
+    assert gib(seqs=1) == 0.5  # the floor
+    assert gib(seqs=4096) == pytest.approx(0.4 * 80)  # the cap: 52.8 GiB asked
+    # vLLM's weights stay on the GPU while they take at most 15% of it, else they are dropped while training.
+    assert default_sleep_level(12 * 2**30, 80 * 2**30) == 0
+    assert default_sleep_level(13 * 2**30, 80 * 2**30) == 2

@@ -107,13 +107,32 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
     with pytest.raises(RuntimeError, match=r"layers\.1\.self_attn\.k_proj\.weight"):
         engine.check_weights(policy)
 
-    # The training-loop cycle at both sleep levels: sleep, wake, sync. Level 1's wake-up must not bring the parked,
-    # stale weights back over the synced ones; level 2's maps memory that the sync must fill entirely.
-    for level in (1, 2):
+    # The training-loop cycle at every sleep level: sleep, a trainer update, wake and sync. Each level must free at
+    # least the KV cache; level 0 must leave the weights in place (the sync overwrites them there), level 1's wake-up
+    # must not bring the parked, stale weights back over the synced ones, and level 2's maps memory that the sync
+    # must fill entirely.
+    from sharding.vllm_sync import check_weight_sync
+    engine.update_weights(policy)
+    kv_bytes = sum(a.handle[1] for a in engine._allocations("kv_cache"))
+    for level in (0, 1, 2):
         engine.sleep_level = level
+        free = torch.cuda.mem_get_info()[0]
         engine.sleep()
+        assert torch.cuda.mem_get_info()[0] - free >= kv_bytes, level
+        if level == 0:
+            check_weight_sync(policy, engine.vllm_model)  # asleep, and the weights are still the synced ones
+        with torch.no_grad():
+            k_proj.add_(0.5)
         engine.update_weights(policy)
         engine.check_weights(policy)
+
+    # A rollout after a level-0 sleep without a sync (an evaluation's weights again) maps the KV cache back itself.
+    engine.sleep_level = 0
+    engine.sleep()
+    [[completion]] = engine.generate([[1, 2, 3]], n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0,
+                                     ignore_eos=True)
+    assert len(completion.response_ids) == 4 and not engine.asleep
+    engine.sleep_level = 2
 
     # Level 2 drops the weights: woken without a sync they hold whatever the memory held (vLLM issue 29341 served
     # such weights silently). The trainer has moved since the last sync, so the memory cannot happen to hold the

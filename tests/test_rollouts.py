@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.logger import StageTimer
-from common.rollouts import Rollouts, wants_rollout_logprobs
+from common.rollouts import Rollouts, sequences_at_once, wants_rollout_logprobs
 
 
 class CountingEngine:
@@ -38,7 +38,7 @@ def colocated_rollouts(engine) -> Rollouts:
     return rollouts
 
 
-@pytest.mark.parametrize("level, syncs_after_eval", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("level, syncs_after_eval", [(0, 1), (1, 1), (2, 2)])
 def test_an_engine_that_dropped_its_weights_is_synced_again(level, syncs_after_eval):
     rollouts = colocated_rollouts(CountingEngine(level))
     rollouts._sync()
@@ -62,3 +62,12 @@ def test_engine_logprobs_are_asked_for_where_they_are_used():
     assert asked(tis_cap=None, logprob_diff_every=0) == []
     assert asked(tis_cap=2.0, logprob_diff_every=0) == list(steps)  # the loss needs them every step
     assert asked() == []  # a script without either flag (online DPO)
+
+
+def test_the_kv_cache_is_sized_for_a_replicas_sequences():
+    args = lambda tp=1: SimpleNamespace(rollout_tp=tp, prompts_per_step=32, group_size=8)
+    assert sequences_at_once(args(), world=1, num_eval=128) == 256  # 32 prompts x 8 responses
+    assert sequences_at_once(args(), world=2, num_eval=128) == 128  # each rank's engine: 16 x 8
+    assert sequences_at_once(args(tp=2), world=2, num_eval=128) == 256  # one replica of two ranks takes both shares
+    assert sequences_at_once(args(), world=1, num_eval=300) == 300  # an evaluation of more prompts than that
+    assert sequences_at_once(args(), world=4, num_eval=301) == 76  # 64 a step, ceil(301 / 4) held-out prompts
