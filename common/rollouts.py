@@ -55,11 +55,13 @@ def fill_rollout_defaults(args) -> None:
 
 def check_rollout_args(args, num_trainers: int) -> None:
     """One line for rollout flags that cannot work together (before any model is loaded)."""
-    check_ranges(args, positive=["temperature", "top_p", "reward_timeout"],
+    check_ranges(args, positive=["temperature", "top_p", "reward_timeout", "rollout_gpu_memory"],
                  at_least_one=["prompts_per_step", "max_response_len", "max_prompt_len", "reward_workers",
                                "rollout_tp", "max_staleness"], non_negative=["rollout_ranks"])
     if args.top_p > 1:
         raise ValueError(f"--top-p must be at most 1, got {args.top_p}")
+    if args.rollout_sleep_level not in (None, 0, 1, 2):
+        raise ValueError(f"--rollout-sleep-level must be 0, 1 or 2, got {args.rollout_sleep_level}")
     if args.prompts_per_step % num_trainers:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {num_trainers} "
                          f"training ranks")

@@ -174,6 +174,8 @@ def test_one_step_per_batch_takes_old_logprobs_from_the_update_forward(tmp_path)
     (dict(top_p=1.5), 1, "--top-p must be at most 1"),
     (dict(eval_size=0), 1, "--eval-size must be at least 1"),
     (dict(reward_timeout=0.0), 1, "--reward-timeout must be greater than 0"),
+    (dict(rollout_sleep_level=3), 1, "--rollout-sleep-level must be 0, 1 or 2, got 3"),
+    (dict(rollout_gpu_memory=0.0), 1, "--rollout-gpu-memory must be greater than 0"),
 ])
 def test_invalid_flag_values_and_combinations(flags, world, message):
     args = grpo.Args(**{"max_response_len": 2, "lr": 1e-3, **flags})
