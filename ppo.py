@@ -99,7 +99,7 @@ class Args:
     rollout_gpu_memory: float | None = None
     """vLLM's memory. Unset: a KV cache that holds a step's sequences at once (a replica's prompts x --group-size, or
     its held-out prompts, of up to --max-prompt-len + --max-response-len tokens; at most 40% of the GPU), as mapping
-    it back after each sleep takes about 1-3 ms per GB. Up to 1: vLLM's share of the GPU for weights and KV cache.
+    it back after each sleep takes about 1-5 ms per GB. Up to 1: vLLM's share of the GPU for weights and KV cache.
     Above 1: GiB of KV cache. Sized in GiB (unset or above 1), vLLM skips its start-up memory profiling, which fails
     when other processes on the GPU change their memory use meanwhile"""
     rollout_eager: bool = False

@@ -8,11 +8,11 @@ rollout (sharding/vllm_sync.py), and `sleep` hands vLLM's memory to the trainer 
 
 What sleeping frees (sleep_level), and what the next sync then pays for (benchmarks/README.md, bench_sync.py):
   0: the KV cache only. The weights stay on the GPU, where the sync overwrites them in place: the cheapest sleep and
-     sync; the trainer has vLLM's weights (the bf16 model / --rollout-tp) less memory.
+     sync; the trainer has the memory of vLLM's weights (its shard of the model, in the rollout dtype) less.
   1: also the weights, parked in CPU memory; the wake-up copies them back, only for the sync to overwrite them.
   2: also the weights, dropped; the wake-up maps empty memory that the sync fills.
   None: 0 when vLLM's weights take at most 15% of the GPU's memory, else 2.
-Mapping memory back costs about 1-3 ms per GB, so the KV cache is sized by default to what a rollout needs
+Mapping memory back costs about 1-5 ms per GB, so the KV cache is sized by default to what a rollout needs
 (`kv_cache_gib`), not to a share of the GPU.
 """
 
@@ -50,8 +50,9 @@ def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_m
     when tp_size exceeds them). Exact for dense attention, an overestimate for sliding windows or latent attention.
     At least 0.5 GiB, at most KV_CACHE_CAP of the GPU.
     """
+    config = config.get_text_config()  # the language model's, in a multimodal config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = max(1, getattr(config, "num_key_value_heads", config.num_attention_heads) // tp_size)
+    kv_heads = max(1, (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size)
     bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
     tokens = sequences * math.ceil(max_model_len / 16) * 16  # vLLM's blocks hold 16 tokens
     return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
@@ -84,7 +85,7 @@ class VLLMRolloutEngine:
         self.replica, self.tp_rank, self.tp_size = rank // tp_size, rank % tp_size, tp_size
         self.stop_token_ids, self.dtype = list(stop_token_ids), dtype
         self.sync_bucket_mb = sync_bucket_mb
-        self.asleep = False
+        self.asleep, self.slept_at = False, None
         # One small CPU group per replica to share prompts; every rank creates all of them, in the same order.
         self.tp_group = None
         if tp_size > 1:
@@ -115,7 +116,7 @@ class VLLMRolloutEngine:
         # graphs.
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.vllm_model = self.worker.get_model()
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.vllm_model.parameters())
+        weight_bytes = sum(a.handle[1] for a in self._allocations("weights"))  # what level 0 keeps mapped
         self.sleep_level = default_sleep_level(weight_bytes, device_bytes) if sleep_level is None else sleep_level
 
     def _gather_prompts(self, prompt_ids: list[list[int]]) -> list[list[list[int]]]:
@@ -142,10 +143,10 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         if self.asleep:  # rollout without a sync since the last sleep: the last synced weights are still good
-            if self.sleep_level == 2:
+            if self.slept_at == 2:
                 raise RuntimeError("the engine slept at level 2 and has no weights: call update_weights first")
-            if self.sleep_level == 1:
-                torch.cuda.empty_cache()
+            if self.slept_at == 1:
+                self._make_room("weights")
                 self.llm.wake_up(tags=["weights"])
             self._wake_kv_cache()
         by_rank = self._gather_prompts(prompt_ids)
@@ -178,7 +179,7 @@ class VLLMRolloutEngine:
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Collective: brings the trainer's current weights into vLLM, waking it up around them."""
         start = time.perf_counter()
-        if self.asleep and self.sleep_level:
+        if self.asleep and self.slept_at:
             self._make_room("weights")
             # Weights first, the KV cache is not needed to load them. After level 2 this maps empty memory (and
             # restores vLLM's buffers, e.g. rotary tables, from the CPU); after level 1 it copies the old weights back.
@@ -202,6 +203,8 @@ class VLLMRolloutEngine:
             # vLLM's own sleep frees every allocation of its pool, so the KV cache's are freed here, as its sleep
             # frees them (vllm/device_allocator/cumem.py), with its prompt cache emptied first.
             from vllm.device_allocator.cumem import unmap_and_release
+            if self.llm.llm_engine.has_unfinished_requests():  # a generate cut short (vLLM's sleep aborts them)
+                raise RuntimeError("vLLM still has unfinished requests: its KV cache cannot be freed")
             self.llm.reset_prefix_cache()
             torch.cuda.synchronize()  # nothing may still use the KV cache
             for allocation in self._allocations("kv_cache"):
@@ -209,11 +212,11 @@ class VLLMRolloutEngine:
                 allocation.is_asleep = True
         else:
             self.llm.sleep(level=self.sleep_level)
-        self.asleep = True
+        self.asleep, self.slept_at = True, self.sleep_level  # waking follows slept_at, even if sleep_level changes
 
     def _wake_kv_cache(self) -> None:
         self._make_room("kv_cache")
-        if self.sleep_level == 0:
+        if self.slept_at == 0:
             from vllm.device_allocator.cumem import create_and_map
             for allocation in self._allocations("kv_cache"):
                 create_and_map(allocation.handle)
@@ -231,8 +234,9 @@ class VLLMRolloutEngine:
 
     def _make_room(self, tag: str) -> None:
         """Empties PyTorch's cache of the trainer's freed blocks only if vLLM's memory of this kind would not fit
-        beside it (with 1 GiB to spare): otherwise the trainer keeps its blocks for the next step, and the same
-        process's vLLM reuses them for its activations."""
+        beside it (with 1 GiB to spare). Otherwise, after a level-0 sleep, the trainer keeps its blocks for the next
+        step, and the same process's vLLM reuses them for its activations (vLLM's own sleep, levels 1 and 2, empties
+        the cache anyway)."""
         if torch.cuda.mem_get_info()[0] < sum(a.handle[1] for a in self._allocations(tag)) + 2**30:
             torch.cuda.empty_cache()
 

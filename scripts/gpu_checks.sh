@@ -11,8 +11,9 @@
 #   bash scripts/gpu_checks.sh ppo-verl OUTDIR [GPU]     # ppo.py at verl's published PPO shape: 256 prompts of 1024
 #                                                        # tokens, 512 new, compiled vLLM; tokens/s end to end, by stage
 #   bash scripts/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
-#   bash scripts/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 1, 2, 1 on one machine
-#                                                        # (12 steps each): does level 2 change anything but the sync?
+#   bash scripts/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 0, 1, 2, 1 on one
+#                                                        # machine (12 steps each): does a level change anything but
+#                                                        # the sleep and the sync?
 #                                                        # BASELINE=DIR adds an older checkout's grpo.py at level 1
 #   bash scripts/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
@@ -103,10 +104,10 @@ if [ "$mode" = one ]; then
     for s in 0.5b 1.5b 7b; do sync $s 1 $b; done ) &
   wait
 elif [ "$mode" = levels ]; then
-  # Level 1, (BASELINE's,) level 2, level 1 again: drift of the machine over the runs shows as a difference between
-  # the two level-1 runs. BASELINE: the directory of an older checkout (e.g. `git archive` of the commit before a
-  # refactor), whose grpo.py runs with the same flags at its own sleep level (1) in between. RUNS picks some of them.
-  for run_level in ${RUNS:-1a ${BASELINE:+base} 2 1b}; do
+  # Level 0, level 1, (BASELINE's,) level 2, level 1 again: drift of the machine over the runs shows as a difference
+  # between the two level-1 runs. BASELINE: the directory of an older checkout (e.g. `git archive` of the commit before
+  # a refactor), whose grpo.py runs with the same flags at its own default level in between. RUNS picks some of them.
+  for run_level in ${RUNS:-0 1a ${BASELINE:+base} 2 1b}; do
     if [ $run_level = base ]; then
       cmd="$BASELINE/grpo.py ${SMALL/--skip-reward-check/}"  # flags the older grpo.py lacks are left out
     else

@@ -132,6 +132,20 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
     [[completion]] = engine.generate([[1, 2, 3]], n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0,
                                      ignore_eos=True)
     assert len(completion.response_ids) == 4 and not engine.asleep
+    # The wake-up follows the level the engine slept at, even if the level changed in between.
+    engine.sleep()
+    engine.sleep_level = 2
+    engine.update_weights(policy)
+    engine.check_weights(policy)
+    # A level-0 sleep refuses to free the KV cache under unfinished requests (a generate cut short).
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    engine.llm.enqueue([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine.sleep_level = 0
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        engine.sleep()
+    while engine.llm.llm_engine.has_unfinished_requests():
+        engine.llm.llm_engine.step()
     engine.sleep_level = 2
 
     # Level 2 drops the weights: woken without a sync they hold whatever the memory held (vLLM issue 29341 served
