@@ -116,7 +116,7 @@ class VLLMRolloutEngine:
         # graphs.
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.vllm_model = self.worker.get_model()
-        weight_bytes = sum(a.handle[1] for a in self._allocations("weights"))  # what level 0 keeps mapped
+        weight_bytes = self._allocated_bytes("weights")  # what level 0 keeps mapped
         self.sleep_level = default_sleep_level(weight_bytes, device_bytes) if sleep_level is None else sleep_level
 
     def _gather_prompts(self, prompt_ids: list[list[int]]) -> list[list[list[int]]]:
@@ -232,12 +232,16 @@ class VLLMRolloutEngine:
         from vllm.device_allocator.cumem import CuMemAllocator
         return [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.tag == tag]
 
+    @staticmethod
+    def _allocated_bytes(tag: str) -> int:
+        return sum(a.handle[1] for a in VLLMRolloutEngine._allocations(tag))
+
     def _make_room(self, tag: str) -> None:
         """Empties PyTorch's cache of the trainer's freed blocks only if vLLM's memory of this kind would not fit
         beside it (with 1 GiB to spare). Otherwise, after a level-0 sleep, the trainer keeps its blocks for the next
         step, and the same process's vLLM reuses them for its activations (vLLM's own sleep, levels 1 and 2, empties
         the cache anyway)."""
-        if torch.cuda.mem_get_info()[0] < sum(a.handle[1] for a in self._allocations(tag)) + 2**30:
+        if torch.cuda.mem_get_info()[0] < self._allocated_bytes(tag) + 2**30:
             torch.cuda.empty_cache()
 
     def check_weights(self, model: torch.nn.Module) -> None:

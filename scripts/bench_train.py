@@ -274,9 +274,9 @@ def main():
               "results": {shape: bench_shape(shape, args, device) for shape in args.shapes}}
     if rank == 0:
         print(json.dumps(report, indent=2))
-    if args.out and rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     torch.distributed.destroy_process_group()
 
 
