@@ -113,7 +113,7 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
     # must fill entirely.
     from sharding.vllm_sync import check_weight_sync
     engine.update_weights(policy)
-    kv_bytes = sum(a.handle[1] for a in engine._allocations("kv_cache"))
+    kv_bytes = engine._allocated_bytes("kv_cache")
     for level in (0, 1, 2):
         engine.sleep_level = level
         free = torch.cuda.mem_get_info()[0]
@@ -137,6 +137,7 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
     engine.sleep_level = 2
     engine.update_weights(policy)
     engine.check_weights(policy)
+    assert not any(a.is_asleep for a in engine._allocations("kv_cache"))  # the KV cache is mapped again
     # A level-0 sleep refuses to free the KV cache under unfinished requests (a generate cut short).
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
