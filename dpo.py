@@ -207,6 +207,11 @@ class Args:
     """delete the run already in the output dir (its states, exports and metrics) and start afresh"""
     max_bad_steps: int = 5
     """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
+    hang_timeout: float | None = 1800.0
+    """seconds a rank may go without progress (one stage of a step, such as the rollout, the update or a save, or
+    the gap between two) before the run counts as hung: every rank writes its Python stacks to <output-dir>/hangs/,
+    one line names the stage, the step and the ranks elsewhere, and the run exits non-zero, for torchrun
+    --max-restarts or Slurm to restart it; None: wait for ever"""
     output_dir: str | None = None
     """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
     run_name: str | None = None
@@ -228,7 +233,7 @@ FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_k
 
 def check_args(args: Args, world: int) -> None:
     """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded)."""
-    check_ranges(args, positive=["lr", "max_grad_norm"],
+    check_ranges(args, positive=["lr", "max_grad_norm", "hang_timeout"],
                  at_least_one=["steps", "pairs_per_step", "eval_size", "max_tokens_per_micro_batch", "max_len"],
                  non_negative=["warmup_steps", "weight_decay", "sft_weight", "ref_update_every", "eval_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
@@ -567,6 +572,7 @@ def main():
     args = parse_args(Args)
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
     placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C: finish the step, save, stop (common/signals.py)
     rank, world = placement.rank, placement.world
     quiet_libraries()
     # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
@@ -643,7 +649,7 @@ def main():
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     for note in [*run_dir.notes, data_notes]:
         logger.print(note)
-    timer = StageTimer(device)
+    timer = StageTimer(device, args.hang_timeout, output_dir)
     # Where pairs come from: the dataset, through a seeded sampler (offline); the policy, through the shared
     # rollouts (online), which also give greedy task accuracy wherever prompts have answers.
     rollouts = None
@@ -662,9 +668,7 @@ def main():
             needed = rows_in_use(rows, args, args.steps) + [row["index"] for row in eval_pairs]
             with timer("reference"):
                 ref = cached_reference_logps(policy, rows + eval_pairs, needed, args, rank, world, device, logger)
-    # Installed after the engine, which may set handlers of its own: SIGTERM and Ctrl-C now mean "finish the step,
-    # save, stop" (common/signals.py).
-    install_stop_handlers()
+    install_stop_handlers()  # again: the engine may have set handlers of its own
     bad_steps = BadStepCounter(args.max_bad_steps)
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
         more = {"reference": (reference, None, None)} if reference is not None and args.ref_update_every else None
@@ -683,7 +687,7 @@ def main():
 
     stop, start_checked = False, resume_path is not None  # (online, a step whose groups all tie has no pairs)
     for step in range(start_step + 1, args.steps + 1):
-        step_start = time.perf_counter()
+        step_start = timer.start_step(step)
         metrics = {}
         # 1. Pairs: this rank's share of the step's preference pairs.
         if args.online:  # sampled from the policy, scored, the best response of each prompt against its worst

@@ -189,6 +189,11 @@ class Args:
     counted (reward/timeouts); None: no limit"""
     max_bad_steps: int = 5
     """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
+    hang_timeout: float | None = 1800.0
+    """seconds a rank may go without progress (one stage of a step, such as the rollout, the update or a save, or
+    the gap between two) before the run counts as hung: every rank writes its Python stacks to <output-dir>/hangs/,
+    one line names the stage, the step and the ranks elsewhere, and the run exits non-zero, for torchrun
+    --max-restarts or Slurm to restart it; None: wait for ever"""
     output_dir: str | None = None
     """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
     run_name: str | None = None
@@ -211,7 +216,7 @@ FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "answer_k
 def check_args(args: Args, world: int) -> None:
     """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded).
     world: the ranks that train (all of them, or those left by --rollout-ranks)."""
-    check_ranges(args, positive=["lr", "max_grad_norm"],
+    check_ranges(args, positive=["lr", "max_grad_norm", "hang_timeout"],
                  at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "eval_every",
                                "logprob_diff_every", "save_every", "save_state_every", "keep_checkpoints"])
@@ -377,6 +382,7 @@ def main():
     args = parse_args(Args)
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
     placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C: finish the step, save, stop (common/signals.py)
     rank, world = placement.rank, placement.world
     quiet_libraries()
     # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
@@ -422,11 +428,10 @@ def main():
                  f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}",
                  f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}"]:
         logger.print(note)
-    timer = StageTimer(device)
+    timer = StageTimer(device, args.hang_timeout, output_dir)
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,
                         logger, timer)
-    # After the engine (it may set handlers of its own): SIGTERM and Ctrl-C now mean finish the step, save, stop.
-    install_stop_handlers()
+    install_stop_handlers()  # again: the engine may have set handlers of its own
     bad_steps = BadStepCounter(args.max_bad_steps)
     if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
         info = load_training_state(resume_path, policy, optimizer, scheduler, rollouts)
@@ -441,7 +446,7 @@ def main():
 
     stop = False
     for step in range(start_step + 1, args.steps + 1):
-        step_start = time.perf_counter()
+        step_start = timer.start_step(step)
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from common import errors
 
 _store = None  # torchrun's key-value store: reaches every process of the launch, whatever its role
-_global_rank = 0
+_global_rank, _global_world = 0, 1
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -31,15 +31,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    use_store(dist.distributed_c10d._get_default_store(), dist.get_rank())
+    use_store(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def use_store(store, global_rank: int) -> None:
-    """The store every process of the launch shares (set once the processes have met)."""
-    global _store, _global_rank
-    _store, _global_rank = store, global_rank
+def use_store(store, global_rank: int, global_world: int = 1) -> None:
+    """The store every process of the launch shares (set once the processes have met); each process leaves its pid
+    there (tests signal every process of a launch through it: common.signals.signal_point)."""
+    global _store, _global_rank, _global_world
+    _store, _global_rank, _global_world = store, global_rank, global_world
     errors.use_store(store, global_rank)
+    if store is not None:
+        store.set(f"nanorl/pid/{global_rank}", str(os.getpid()))
 
 
 def decided_by_rank0(name: str, decide):

@@ -22,11 +22,6 @@ class PeerFailed(RuntimeError):
     """Raised on every rank but the one that failed (common.distributed.raise_on_all_ranks); that one reports."""
 
 
-class StopRequested(RuntimeError):
-    """A stop signal (SIGTERM, Ctrl-C) arrived while the step was waiting for work that cannot finish in time
-    (a stuck reward): the step is abandoned and the last saved state stays the one to resume from."""
-
-
 def user_error(cls: type) -> type:
     """Class decorator: errors of this class are the user's to fix, reported as one line."""
     global USER_ERRORS
@@ -70,8 +65,6 @@ def describe(error: BaseException) -> str | None:
     """The report for `error`: one line, a traceback, or None (nothing to add: another rank reports)."""
     if isinstance(error, PeerFailed):
         return None
-    if isinstance(error, StopRequested):
-        return f"stopped: {error}"
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (Ctrl-C) before training started"
     user = isinstance(error, USER_ERRORS)

@@ -20,20 +20,38 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from common.signals import signal_point
+from common.watchdog import Watchdog
+
 
 class StageTimer:
-    """`with timer("rollout"): ...` adds the wall time of the block to `time/rollout` for this step."""
+    """`with timer("rollout"): ...` adds the wall time of the block to `time/rollout` for this step. With
+    hang_timeout_s, a stage (or a gap between stages) that takes longer ends the run (common/watchdog.py)."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.seconds = device, defaultdict(float)
+    def __init__(self, device: torch.device, hang_timeout_s: float | None = None, output_dir: str | None = None):
+        self.device, self.seconds, self.step = device, defaultdict(float), 0
+        self.watchdog = Watchdog(hang_timeout_s, output_dir) if hang_timeout_s else None
+
+    def start_step(self, step: int) -> float:
+        """The loop starts `step`; returns the time (time.perf_counter) it did."""
+        self.step = step
+        self._progress("its start")
+        return time.perf_counter()
 
     @contextmanager
     def __call__(self, stage: str):
+        self._progress(f"stage '{stage}'")
+        signal_point(stage, self.step)
         start = time.perf_counter()
         yield
         if self.device.type == "cuda":  # GPU work is asynchronous: wait for it so time lands in its own stage
             torch.cuda.synchronize(self.device)
         self.seconds[f"time/{stage}"] += time.perf_counter() - start
+        self._progress(f"the gap after stage '{stage}'")
+
+    def _progress(self, where: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(self.step, where)
 
     def pop(self) -> dict[str, float]:
         seconds, self.seconds = dict(self.seconds), defaultdict(float)

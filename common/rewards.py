@@ -272,7 +272,7 @@ class _Worker:
 
     def start(self, call: tuple) -> None:
         self.call, self.started = call, time.monotonic()
-        _send(self.process.stdin.fileno(), call[3:])
+        _send(self.process.stdin.fileno(), call[3:6])
 
     def read(self) -> list | None:
         """The complete messages that have arrived (call when select says fd is readable); None: the process ended."""
@@ -304,23 +304,26 @@ class RewardScorer:
     `submit(key, prompts, completions, answers)` queues a group as soon as it is generated, and returns at once: a
     thread of this process hands the calls to idle workers, one at a time, and collects the results. `collect()`
     waits for every group queued since the last collect and returns their rewards ordered by key, with the number
-    of calls that ran past `timeout_s` (they score 0: their process is killed and replaced). A reward that raises,
+    of calls that ran past `timeout_s` (they score 0: their process is killed and replaced), or, once a stop signal
+    has come, past `stop_grace_s` (the same: the step completes and is saved). A reward that raises,
     returns a non-number or kills its process makes collect raise RewardError naming the sample.
     """
 
-    def __init__(self, spec: str, timeout_s: float | None = None, workers: int = 1):
+    def __init__(self, spec: str, timeout_s: float | None = None, workers: int = 1, stop_grace_s: float = 5.0):
         load_reward_fn(spec)  # a bad spec fails here, in the rank, with its message
         if workers < 1:
             raise ValueError(f"--reward-workers must be at least 1, got {workers}")
         self.spec, self.timeout_s = spec, timeout_s
         self.workers = [_Worker(spec) for _ in range(workers)]
         self.lock = threading.Condition()
-        self.queue = collections.deque()  # calls not started: (round, key, index, prompt, completion, answer)
+        # Calls not started: (round, key, index, prompt, completion, answer, when submitted).
+        self.queue = collections.deque()
         self.round = 0  # one per collect: a call still under way from a failed round must not land in the next
         self.groups: dict[int, list] = {}  # key -> rewards of its samples (None: not scored yet)
         self.unscored = self.timeouts = 0
         self.error: Exception | None = None
         self.closed = False
+        self.stop_grace_s, self.stopped_at = stop_grace_s, None  # when a stop signal was seen
         self.wake_read, self.wake_write = os.pipe()  # submit and close wake the thread from its select
         errors.on_abort(self.kill)
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -333,23 +336,18 @@ class RewardScorer:
             if key in self.groups:
                 raise ValueError(f"group {key} was submitted twice")
             self.groups[key] = [None] * len(prompts)
-            self.queue.extend((self.round, key, i, p, c, a)
+            self.queue.extend((self.round, key, i, p, c, a, time.monotonic())
                               for i, (p, c, a) in enumerate(zip(prompts, completions, answers)))
             self.unscored += len(prompts)
         os.write(self.wake_write, b"x")
 
-    def collect(self, stop_grace_s: float = 5.0) -> tuple[list[list[float]], int]:
-        """(rewards of each group by key, reward calls that timed out). After a stop signal, waits at most
-        stop_grace_s more, then gives up on the step (errors.StopRequested)."""
-        stop_deadline = None
+    def collect(self) -> tuple[list[list[float]], int]:
+        """(rewards of each group by key, reward calls that timed out). After a stop signal, calls not done
+        stop_grace_s later score 0 as if they had timed out (and so does any later call not done stop_grace_s after
+        its submission), so that the step completes and can be saved."""
         with self.lock:
             while self.unscored and self.error is None:
                 self.lock.wait(0.1)
-                if signals.stop_requested() and self.unscored:
-                    stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
-                    if time.monotonic() > stop_deadline:
-                        raise errors.StopRequested(f"{signals.stop_requested()} arrived while {self.unscored} reward "
-                                                   f"calls were still running; this step was abandoned")
             if self.error is not None:  # the step is lost: forget its calls (those under way are ignored later)
                 error, self.error = self.error, None
                 self.groups, self.unscored, self.timeouts = {}, 0, 0
@@ -365,32 +363,44 @@ class RewardScorer:
         """The thread: start queued calls on idle workers, read results, stop calls that overrun."""
         try:
             while not self.closed:
+                if signals.stop_requested() and self.stopped_at is None:
+                    self.stopped_at = time.monotonic()
                 with self.lock:
+                    while self.queue and time.monotonic() > self._deadline(self.queue[0]):  # after a stop signal:
+                        self._record(*self.queue.popleft()[1:3], 0.0)  # calls that waited too long score 0, unrun
+                        self.timeouts += 1
+                        self.lock.notify_all()
                     for worker in self.workers:
                         if worker.ready and worker.call is None and self.queue:
                             worker.start(self.queue.popleft())
                 now = time.monotonic()
-                busy = [w for w in self.workers if w.call is not None]
-                wait = 1.0 if self.timeout_s is None or not busy else \
-                    max(0.0, min(w.started + self.timeout_s for w in busy) - now)
+                wait = min([1.0] + [max(0.0, self._deadline(w.call, w.started) - now) for w in self.workers if w.call])
                 readable, _, _ = select.select([self.wake_read] + [w.fd for w in self.workers], [], [], wait)
                 if self.wake_read in readable:
                     os.read(self.wake_read, 1 << 16)
                 for worker in [w for w in self.workers if w.fd in readable]:
                     self._receive(worker)
-                if self.timeout_s is not None:
-                    for worker in [w for w in self.workers if w.call and time.monotonic() - w.started > self.timeout_s]:
+                for worker in self.workers:
+                    if worker.call and time.monotonic() > self._deadline(worker.call, worker.started):
                         self._replace(worker)
         except Exception as e:  # noqa: BLE001 - handed to collect
             with self.lock:
                 self.error = self.error or e
                 self.lock.notify_all()
 
+    def _deadline(self, call: tuple, started: float | None = None) -> float:
+        """When a call is stopped (or, not started yet, dropped): at its time limit, and once a stop signal has come,
+        stop_grace_s after the signal (calls submitted before it share that deadline) or after its own submission."""
+        limit = math.inf if self.timeout_s is None or started is None else started + self.timeout_s
+        if self.stopped_at is not None:
+            limit = min(limit, max(call[6], self.stopped_at) + self.stop_grace_s)
+        return limit
+
     def _receive(self, worker: _Worker) -> None:
         messages = worker.read()
         with self.lock:
             if messages is None:  # the process ended
-                what = f"while scoring sample {worker.call[2]} of group {worker.call[1]}{_sample(*worker.call[3:])}" \
+                what = f"while scoring sample {worker.call[2]} of group {worker.call[1]}{_sample(*worker.call[3:6])}" \
                     if worker.call else "while loading the reward"
                 self.error = self.error or RewardError(
                     f"a reward process died {what} (a crash or os._exit in the reward function?)")
@@ -403,7 +413,7 @@ class RewardScorer:
                 elif kind == "failed":
                     self.error = self.error or RewardError(f"the reward could not be loaded in its process: {value}")
                 else:
-                    round_, key, index, prompt, completion, answer = worker.call
+                    round_, key, index, prompt, completion, answer, _ = worker.call
                     worker.call = None
                     if round_ != self.round:
                         continue
@@ -422,7 +432,7 @@ class RewardScorer:
         self.unscored -= 1
 
     def _replace(self, worker: _Worker) -> None:
-        """A call ran past the time limit: it scores 0, and its process (maybe stuck for good) makes way for a new one."""
+        """A call ran past its deadline: it scores 0, and its process (maybe stuck for good) makes way for a new one."""
         with self.lock:
             round_, key, index = worker.call[:3]
             if round_ == self.round:

@@ -34,10 +34,11 @@ from common.logprobs import use_packed_attention
 from common.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
 from common.perf import memory_in_use
 from common.rewards import RewardScorer
-from common.signals import exit_on_stop_signals
-from common.split import (behaviour_version, check_shapes, close_link, eval_versions, load_into_module, recv_header,
-                          recv_object, recv_weights, send_header, send_object, send_weights, staleness_metrics,
-                          weight_versions)
+from common.logger import StageTimer
+from common.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested
+from common.split import (STOP, behaviour_version, check_shapes, close_link, eval_versions, load_into_module,
+                          recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
+                          staleness_metrics, stop_rollout_ranks, weight_versions)
 from sharding.vllm_sync import trainer_weights, weight_shapes
 
 
@@ -161,6 +162,7 @@ class Rollouts:
         self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
         self.synced_version = -1  # the policy version the colocated engine holds
         self.version = start_step  # the policy's version: updates made
+        self.stopping = False  # the run stops before its last step (a stop signal)
 
     # -----------------------------------------------------------------------------------------------------------
     # What the loop calls.
@@ -202,11 +204,13 @@ class Rollouts:
     def publish(self, step: int, stop: bool = False) -> dict[str, float]:
         """After the update of `step`: the policy is now version `step`. Colocated, the engine takes it before it
         next generates or evaluates; split, it is streamed to the rollout ranks if a later batch or evaluation
-        needs it (not when stopping: the state is saved instead), and the evaluations that arrived with this step's
-        batch (the last step: the last ones) are returned for the step's row."""
+        needs it (not when stopping before the last step: the state is saved, and close() tells the rollout ranks),
+        and the evaluations that arrived with this step's batch (the last step: the last ones) are returned for the
+        step's row."""
         self.version = step
+        self.stopping = stop and step < self.args.steps
         metrics = {}
-        if self.placement.split and not stop and step in self.versions_to_send:
+        if self.placement.split and not self.stopping and step in self.versions_to_send:
             metrics.update(self._push_weights(step))
         if self.placement.split and step == self.args.steps:
             self.arrived_evals.update(self._receive(None)["evals"])
@@ -230,6 +234,9 @@ class Rollouts:
         return result
 
     def close(self) -> None:
+        """At the end of the run, after the last save. Split placement, stopped early: the rollout ranks stop too."""
+        if self.placement.split and self.stopping:
+            stop_rollout_ranks(self.placement, self.device)
         if self.scorer is not None:
             self.scorer.close()
 
@@ -283,6 +290,8 @@ class Rollouts:
         dist.broadcast_object_list(box, src=0)
         messages = box[0]
         assert all(m["step"] == step for m in messages), f"expected step {step}, got {[m['step'] for m in messages]}"
+        if any(m.get("stop") for m in messages):  # this batch is the rollout ranks' last: train it, save and stop
+            request_stop(next(m["stop"] for m in messages if m.get("stop")))
         samples = [s for m in messages for s in m["samples"]]
         per_rank = len(samples) // placement.world
         return {"samples": samples[placement.rank * per_rank:(placement.rank + 1) * per_rank],
@@ -406,7 +415,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
     batch that needs it (so with --async-rollout it generates with weights up to --max-staleness updates old),
     evaluates the versions due for evaluation, and sends each batch to trainer 0 without waiting for it to arrive:
     up to max(1, staleness) batches may be on their way while this side waits for the next version.
-    The last message carries the evaluations of the last versions; the trainers save after it. Ends the process.
+    The last message carries the evaluations of the last versions; the trainers save after it. A stop signal (here
+    or on the trainers) ends the run early without losing an update (common/split.py). Ends the process.
     """
     staleness = args.max_staleness if args.async_rollout else 0
     if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
@@ -427,59 +437,67 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
                                      0.0, 0, args.seed, False, 0)
         shapes, dtype, load, loaded = weight_shapes(model), torch.float32, load_into_module(model), lambda: None
-    # After the engine, which may set handlers of its own. Nothing to save here: the trainers save, and a resumed run
-    # sends the weights back.
-    exit_on_stop_signals()
+    install_stop_handlers()  # after the engine, which may set handlers of its own
     sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank, placement.world,
                             args.seed)
     for _ in range(start_step):  # the trainers' data position: batches are a function of the step
         sampler.next_batch()
     versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
     to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
-    held, evals, seconds, pending = None, {}, {}, collections.deque()
+    held, evals, timer, pending = None, {}, StageTimer(device, args.hang_timeout, output_dir), collections.deque()
     pending.append(send_object(placement.samples_link, shapes, 0))  # trainer 0 checks them against its own
 
-    def receive_through(version: int) -> None:
-        """Receives every scheduled version up to `version`, evaluating those due."""
+    def receive_through(version: int, evaluating: bool = True) -> bool:
+        """Receives every scheduled version up to `version`, evaluating those due. False: STOP came instead."""
         nonlocal held
         while versions and versions[0] <= version:
-            received = recv_header(placement, device)
+            if (received := recv_header(placement, device)) == STOP:
+                return False
             assert received == versions.pop(0), f"weight version {received} arrived out of schedule"
-            start = time.perf_counter()
-            recv_weights(placement, shapes, dtype, args.sync_bucket_mb, device, load)
-            loaded()  # vLLM: cached prompt KV was computed with the old weights
-            seconds["sync"] = seconds.get("sync", 0.0) + time.perf_counter() - start
+            with timer("sync"):
+                recv_weights(placement, shapes, dtype, args.sync_bucket_mb, device, load)
+                loaded()  # vLLM: cached prompt KV was computed with the old weights
             held = received
-            if held in to_evaluate:
-                start = time.perf_counter()
-                evals[held] = evaluate(engine, eval_rows, scorer, tokenizer, args, placement.rank, placement.world,
-                                       device)
-                seconds["eval"] = seconds.get("eval", 0.0) + time.perf_counter() - start
+            if held in to_evaluate and evaluating:
+                with timer("eval"):
+                    evals[held] = evaluate(engine, eval_rows, scorer, tokenizer, args, placement.rank,
+                                           placement.world, device)
+        return True
 
     def send(message: dict) -> None:
         # A send completes once trainer 0 receives it, and trainer 0 takes batch k only after it has sent the
         # version that batch k + staleness is generated with: so up to `staleness` batches stay in flight.
         while len(pending) >= max(1, staleness):
             pending.popleft().wait()
-        message.update(evals=dict(evals), seconds=dict(seconds))
-        evals.clear(), seconds.clear()
+        message.update(evals=dict(evals), seconds={k.removeprefix("time/"): v for k, v in timer.pop().items()})
+        evals.clear()
         pending.append(send_object(placement.samples_link, message, 0))
 
+    finished = True  # False: the run stopped early, and the trainers said STOP
     for step in range(start_step + 1, args.steps + 1):
-        receive_through(behaviour_version(step, start_step, staleness))
+        timer.start_step(step)
+        if not receive_through(behaviour_version(step, start_step, staleness)):
+            finished = False
+            break
         prompts = sampler.next_batch()
-        start = time.perf_counter()
-        outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
-                                     max_tokens=args.max_response_len, temperature=args.temperature,
-                                     top_p=args.top_p, seed=args.seed * 1_000_003 + step,
-                                     logprobs=wants_rollout_logprobs(args, step))
-        seconds["generate"] = time.perf_counter() - start
-        start = time.perf_counter()  # what scoring adds after generation
-        samples, reward_timeouts = scored_samples(prompts, outputs, scorer, version=held)
-        seconds["reward"] = time.perf_counter() - start
-        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts})
-    receive_through(args.steps)  # the last versions (evaluation only)
-    send({"step": None, "samples": [], "reward_timeouts": 0})
+        with timer("generate"):
+            outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
+                                         max_tokens=args.max_response_len, temperature=args.temperature,
+                                         top_p=args.top_p, seed=args.seed * 1_000_003 + step,
+                                         logprobs=wants_rollout_logprobs(args, step))
+        with timer("reward"):  # what scoring adds after generation
+            samples, reward_timeouts = scored_samples(prompts, outputs, scorer, version=held)
+        stop = stop_agreed(device)  # collective over the rollout ranks: a signal here makes this batch the last
+        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts,
+              "stop": stop and (stop_requested() or "a stop signal on another rollout rank")})
+        if stop and step < args.steps:  # the trainers train it, save, stop and say STOP
+            finished = receive_through(args.steps, evaluating=False)
+            break
+    if finished:
+        receive_through(args.steps)  # the last versions (evaluation only)
+        send({"step": None, "samples": [], "reward_timeouts": 0})
+    else:  # the trainers take every message up to this one
+        send({"step": "stopped", "samples": [], "reward_timeouts": 0})
     while pending:
         pending.popleft().wait()
     close_link(placement)

@@ -29,7 +29,7 @@ NOT_DEFINING = ("steps", "eval_every", "save_every", "save_state_every", "keep_c
                 "output_dir", "run_name", "track", "wandb_project", "reward_workers", "reward_timeout",
                 "rollout_gpu_memory", "rollout_eager", "rollout_sleep_level", "sync_bucket_mb", "check_weight_sync",
                 "max_bad_steps", "max_tokens_per_micro_batch", "activation_checkpointing", "compile", "offload",
-                "logprob_diff_every")
+                "logprob_diff_every", "hang_timeout")
 UNSPOKEN = ("resume", "overwrite", "output_dir", "run_name")  # differ between launches by design: never listed
 RUN_FILE = "run.json"
 _locks = {}  # directory -> its lock file, held open for the life of the process: closing it would drop the lock

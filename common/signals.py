@@ -1,12 +1,14 @@
 """Stopping a run on purpose: SIGTERM (Slurm preemption, torchrun), SIGUSR1 (time limit) and Ctrl-C all mean
-"finish this step, save, exit"; a second one means "exit now"; a rank whose launcher died leaves too.
+"finish this step, save, exit", on every rank of either placement; a rank whose launcher died leaves at once.
 
 The handler only records the signal: saving needs collectives, which cannot run inside a handler at an arbitrary
 point of the step, so the loop asks `stop_agreed` once per step, on every rank, and all ranks stop after the same
-step. Work that may never finish (a stuck reward) polls `stop_requested` while it waits and gives up
-(errors.StopRequested): that step is abandoned and the last saved state is the one to resume from.
-Nothing here can be interrupted by the first signal alone, so a second signal (or a parent gone) ends the process
-at once, after stopping its child processes (errors.on_abort).
+step. Work that could hold the step up for good (a stuck reward) polls `stop_requested` and gives up on it after a
+few seconds (rewards.RewardScorer), so the step still completes and is saved.
+One request, however it arrives: Slurm signals every process of a job and torchrun passes the signal on again, so a
+rank often gets SIGTERM twice, and a user may `scancel` twice. Only a deliberate act stops at once without saving:
+Ctrl-C a second time (SIGINT, which no scheduler sends by itself), or SIGKILL. That exit stops the child processes
+first (errors.on_abort).
 """
 
 import os
@@ -19,21 +21,24 @@ from common import errors
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _received: str | None = None  # name of the first stop signal
+_interrupts = 0  # SIGINTs received: the second one stops at once
 _installed = False
 _announce = True  # rank 0 says what the first signal does
 
 
 def _handle(signum, frame) -> None:
-    global _received
+    global _received, _interrupts
     name = signal.Signals(signum).name
-    if _received is not None:  # the second one: leave now, without saving
+    _interrupts += signum == signal.SIGINT
+    if _interrupts >= 2:  # Ctrl-C twice: leave now, without saving
         _write(f"{name} again: stopping at once, without saving (the last saved state remains)")
         errors.run_abort_hooks()
         os._exit(128 + signum)
+    if _received is not None:  # the same request again (Slurm and torchrun both pass SIGTERM on): already stopping
+        return
     _received = name
     if errors._launch_rank() == 0 and _announce:
-        again = "Ctrl-C" if signum == signal.SIGINT else "the signal"
-        _write(f"{name}: finishing this step, then saving and stopping ({again} again stops at once)")
+        _write(f"{name}: finishing this step, then saving and stopping (Ctrl-C twice stops at once, without saving)")
 
 
 def _write(message: str) -> None:
@@ -50,22 +55,6 @@ def install_stop_handlers(announce: bool = True) -> None:
     _announce = announce
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handle)
-    if not _installed:
-        _installed = True
-        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-
-
-def exit_on_stop_signals() -> None:
-    """For ranks that hold no state to save (split placement's rollout ranks): a stop signal ends them at once,
-    after their child processes; and they leave if the parent dies."""
-    global _installed
-
-    def leave(signum, frame):
-        errors.run_abort_hooks()
-        os._exit(128 + signum)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, leave)
     if not _installed:
         _installed = True
         threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
@@ -90,10 +79,16 @@ def stop_agreed(device) -> bool:
     return max_over_ranks(int(_received is not None), device) > 0
 
 
+def request_stop(name: str) -> None:
+    """Records a stop request that reached another process (a rollout rank's signal, passed on with its batch)."""
+    global _received
+    _received = _received or name
+
+
 def reset() -> None:
     """Forget a received signal (tests)."""
-    global _received
-    _received = None
+    global _received, _interrupts
+    _received, _interrupts = None, 0
 
 
 def crash_point(name: str, step: int) -> None:
@@ -103,3 +98,17 @@ def crash_point(name: str, step: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_point(name: str, step: int) -> None:
+    """Tests only: NANORL_TEST_SIGNAL=name:step sends SIGTERM, when this process gets to `name` at that step, to
+    every process of the launch (as Slurm signals every process of a job), or with name:step:self to this one alone:
+    a stop signal at a chosen moment, deterministically."""
+    point = os.environ.get("NANORL_TEST_SIGNAL", "").split(":")
+    if point[:2] != [name, str(step)]:
+        return
+    from common import distributed
+    pids = [os.getpid()] if point[2:] == ["self"] else \
+        [int(distributed._store.get(f"nanorl/pid/{r}")) for r in range(distributed._global_world)]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)

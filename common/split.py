@@ -7,6 +7,12 @@ K ranks, its tensor-parallel groups among them. The link joins trainer 0 with ev
 process groups built on torchrun's store: a gloo one for samples (pickled Python objects) and one on the device's
 backend (NCCL on GPUs) for weights, streamed in size-bounded buckets after each update.
 
+Stopping (a stop signal on any rank): every update the trainers complete is saved. A rollout rank that gets the
+signal finishes the batch in hand and sends it flagged `stop`, so the trainers train it, save and stop; trainers
+that stop send the STOP header where the next version would go, and take (and drop) whatever the rollout ranks still
+send, up to their last message, `{"step": "stopped"}`. Nothing is cut in the middle: both sides leave after their
+usual closing meeting on the link.
+
 Versions: the weights after k optimizer updates are version k. The batch trained at step k (1-based) is generated
 with version k - 1 in synchronous mode, and with version max(start, k - 1 - max_staleness) with --async-rollout:
 the rollout ranks generate batch k + 1 while the trainers train on batch k. Both sides compute the same schedule
@@ -63,7 +69,7 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
         raise ValueError("--rollout-ranks needs several processes: launch with torchrun --nproc_per_node N")
     store, global_rank, global_world = next(dist.rendezvous("env://"))
     store.set_timeout(timedelta(minutes=timeout_minutes))
-    use_store(store, global_rank)
+    use_store(store, global_rank, global_world)
     num_trainers = global_world - num_rollout
     if not 0 < num_rollout < global_world:
         raise ValueError(f"--rollout-ranks {num_rollout} must leave at least one of the {global_world} ranks to train")
@@ -172,6 +178,9 @@ def plan_buckets(sizes_bytes: list[int], limit_bytes: int) -> list[list[int]]:
     return list(buckets(range(len(sizes_bytes)), sizes_bytes.__getitem__, limit_bytes))
 
 
+STOP = -1  # the header that says no more versions come: the trainers have saved and are stopping
+
+
 def send_header(placement: Placement, version: int, device: torch.device) -> None:
     """Trainer 0: announces the version whose buckets follow (the receivers check it against their schedule)."""
     if placement.on_link:
@@ -182,6 +191,22 @@ def recv_header(placement: Placement, device: torch.device) -> int:
     header = torch.zeros(1, dtype=torch.int64, device=device)
     placement.weights_link.broadcast(header, 0).wait()
     return int(header.item())
+
+
+def stop_rollout_ranks(placement: Placement, device: torch.device) -> None:
+    """Trainer 0, when the trainers stop before the last step (their state already saved): STOP instead of the next
+    version, then every message the rollout ranks still send (batches no one will train) up to their last one, and
+    the link's closing meeting. The rollout ranks may be in the middle of a batch: this waits for it."""
+    if not placement.on_link:
+        return
+    # Not waited for yet: a rollout rank may first have to finish sending a batch, which only completes once it is
+    # received below.
+    header = placement.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64, device=device), 0)
+    for r in range(placement.num_rollout):
+        while recv_object(placement.samples_link, 1 + r)["step"] != "stopped":
+            pass
+    header.wait()
+    close_link(placement)
 
 
 def check_shapes(trainer_shapes: list[tuple[str, torch.Size]], rollout_shapes: list[tuple[str, torch.Size]],

@@ -62,8 +62,23 @@ def test_second_signal_exits_at_once_after_stopping_children(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "after the first: SIGINT" in out and "not reached" not in out
-    assert "Ctrl-C again stops at once" in err and "stopping at once, without saving" in err
+    assert "Ctrl-C twice stops at once" in err and "stopping at once, without saving" in err
     assert marker.exists()
+
+
+def test_a_repeated_stop_signal_is_one_request():
+    """Slurm signals every process of a job and torchrun passes SIGTERM on again; a user may scancel twice, and the
+    time limit's USR1 may follow: all one request to finish the step and save, never an exit without saving."""
+    proc = run_python(
+        "import os, signal\n"
+        "from common.signals import install_stop_handlers, stop_requested\n"
+        "install_stop_handlers()\n"
+        "for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):\n"
+        "    os.kill(os.getpid(), sig)\n"
+        "print('still running after five:', stop_requested(), flush=True)\n")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "still running after five: SIGTERM" in out and "stopping at once" not in err
 
 
 def test_a_rank_whose_launcher_died_leaves(tmp_path):

@@ -242,9 +242,42 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
     assert "resumed from" in result.stdout + result.stderr
 
 
-def test_sigterm_in_split_placement_saves_the_trainers_state(tmp_path):
-    """torchrun passes SIGTERM to every rank: the rollout ranks end, the trainers finish their step, skip the
-    weight push and save; the same command continues from there."""
+# Where a stop signal arrives (NANORL_TEST_SIGNAL, common.signals.signal_point): the stage a process enters at step 3,
+# and whether every process of the launch gets SIGTERM (as under Slurm) or only the one that got there.
+STOP_MOMENTS = {
+    "during generation": "generate:3",  # on the rollout rank; the trainers train batch 2 or wait for batch 3
+    "while the trainers wait for a batch": "rollout_wait:3",
+    "during an update": "update:3",
+    "during a weight push": "sync:3",  # trainer 0 pushes version 3; the rollout rank receives a version too
+    "during a save": "save_state:2",  # --save-state-every 2: the periodic save of step 2
+    "on the rollout rank alone": "generate:3:self",  # the trainers learn it from the batch
+    "on one trainer alone": "update:3:self",  # the rollout rank learns it from the STOP header
+}
+
+
+@pytest.mark.parametrize("moment", STOP_MOMENTS)
+def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
+    """SIGTERM at any moment of an async split run: every rank finishes what it is doing, the trainers save the state
+    of the last update they completed (the newest row of metrics.jsonl) and every process exits 0; the same command
+    then continues from that state to the end, with every step's row exactly once."""
+    from common.resume import latest_checkpoint, read_trainer_state
+    out = tmp_path / "run"
+    command = ["--rollout-ranks", "1", "--async-rollout", "--steps", "6", "--save-state-every", "2", "--eval-every",
+               "0", "--eval-size", "32", "--output-dir", str(out), "--reward-workers", "1"]
+    result = torchrun(command, tmp_path, nproc=3, env={"NANORL_TEST_SIGNAL": STOP_MOMENTS[moment]})
+    assert result.returncode == 0, failure(result)
+    stopped = int(re.search(r"saved the training state at step (\d+)", result.stdout + result.stderr).group(1))
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert 2 <= stopped < 6 and steps == [*range(1, stopped + 1)], (stopped, steps)
+    assert read_trainer_state(latest_checkpoint(str(out)))["step"] == stopped
+    result = torchrun(command, tmp_path, nproc=3)
+    assert result.returncode == 0, failure(result)
+    assert f"at step {stopped}" in result.stdout + result.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_through_torchrun_in_split_placement(tmp_path):
+    """torchrun passes SIGTERM to every rank, at a moment of its own: the run stops at a saved step and resumes."""
     from common.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
     args = ["--rollout-ranks", "1", "--async-rollout", "--save-state-every", "0", "--eval-every", "0",
@@ -257,6 +290,7 @@ def test_sigterm_in_split_placement_saves_the_trainers_state(tmp_path):
     assert "saved the training state" in output, output[-3000:]
     step = read_trainer_state(latest_checkpoint(str(out)))["step"]
     assert 3 <= step < 500
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r] == [*range(1, step + 1)]
     result = torchrun([*args, "--steps", str(step + 2)], tmp_path, nproc=3)
     assert result.returncode == 0, failure(result)
     assert f"at step {step}" in result.stdout + result.stderr
