@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from common.batching import plan_equal_micro_batches, share_samples_evenly
 from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
 from common.errors import check_ranges, parse_args, run_main
+from common.health import health_report
 from common.logger import Logger, StageTimer
 from common.logprobs import packed_response_logprobs, use_packed_attention
 from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model, stop_token_ids
@@ -647,7 +648,7 @@ def main():
 
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
-    for note in [*run_dir.notes, data_notes]:
+    for note in [*run_dir.notes, data_notes, *health_report(device, output_dir, num_params)]:  # collective
         logger.print(note)
     timer = StageTimer(device, args.hang_timeout, output_dir)
     # Where pairs come from: the dataset, through a seeded sampler (offline); the policy, through the shared

@@ -33,6 +33,7 @@ from common.batching import batching_metrics, pad_rows, plan_equal_micro_batches
 from common.data import load_train_eval, tokenize_prompts
 from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
 from common.errors import check_ranges, parse_args, run_main
+from common.health import health_report
 from common.logger import Logger, StageTimer
 from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths, use_packed_attention
 from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model
@@ -642,7 +643,8 @@ def main():
                     run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
     for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "
                  f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}",
-                 f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}"]:
+                 f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}",
+                 *health_report(device, output_dir, 2 * num_params)]:  # collective: devices, all-reduce, disk
         logger.print(note)
     timer = StageTimer(device, args.hang_timeout, output_dir)
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,

@@ -24,15 +24,25 @@ def init_distributed() -> tuple[int, int, torch.device]:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
     local_rank = int(os.environ["LOCAL_RANK"])
+    store, rank, world = launch_store()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    use_store(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size())
-    return dist.get_rank(), dist.get_world_size(), device
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    use_store(store, rank, world)
+    return rank, world, device
+
+
+def launch_store() -> tuple[object, int, int]:
+    """(store, rank, world) of this launch: torchrun's key-value store under a prefix of its own for each attempt.
+    The store outlives torchrun's restarts of the workers (--max-restarts), and what an earlier attempt wrote there
+    (its ranks' addresses, the run directory's decision) must not be taken for this attempt's."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"nanorl_attempt_{attempt}", store), rank, world
 
 
 def use_store(store, global_rank: int, global_world: int = 1) -> None:

@@ -9,12 +9,21 @@ optional `on_finish(index, completions)` as soon as it is complete, to be scored
 (CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_engine.py) is the real GPU path.
 """
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from common.errors import user_error
+
+
+@user_error
+class NonFiniteLogits(RuntimeError):
+    """The policy's next-token probabilities are inf or NaN: its weights are broken (by a learning rate far too
+    high, usually), and sampling cannot go on."""
 
 
 @dataclass
@@ -47,7 +56,7 @@ class HFRolloutEngine:
         self.model.eval()
         self.model.set_attn_implementation("sdpa")  # padded batches and a KV cache; training may use packed rows
         # A private RNG stream per (seed, rank): sampling never disturbs the training RNG, and ranks differ.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), non_finite_logits_named():
             torch.manual_seed(seed * 1000 + self.rank)
             out = self.model.generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
@@ -87,6 +96,18 @@ class HFRolloutEngine:
 
     def check_weights(self, model) -> None:
         pass
+
+
+@contextlib.contextmanager
+def non_finite_logits_named():
+    """torch.multinomial's complaint about the probabilities it was given, as what it means for the run."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise NonFiniteLogits("sampling failed: the policy's next-token probabilities are inf or NaN, so its "
+                              "weights are broken") from None
 
 
 def resolve_engine_kind(kind: str) -> str:

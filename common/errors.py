@@ -16,6 +16,7 @@ USER_ERRORS = (ValueError, OSError)  # and every class registered with user_erro
 _store = None  # torchrun's key-value store, set once the ranks have met (common.distributed)
 _global_rank = None  # this process's rank in the launch, set with the store (split placement renumbers RANK)
 _abort_hooks = []  # cleanups that must run even when the process leaves with os._exit (reward processes)
+_report_file = None  # the run directory's record of the last failure (record_reports_in)
 
 
 class PeerFailed(RuntimeError):
@@ -83,11 +84,39 @@ def _is_lost_peer(error: BaseException) -> bool:
         or "Connection reset by peer" in text
 
 
+def record_reports_in(run_dir: str) -> None:
+    """Where the last failure's report is kept, so that torchrun's restarts of a run that fails the same way again
+    say so in a line instead of repeating it (--max-restarts N would otherwise print it N + 1 times)."""
+    global _report_file
+    _report_file = os.path.join(run_dir, ".last_failure")
+
+
+def _said_before(message: str) -> str:
+    """The line to print for `message` in restart k of the launch: itself, or that it is the same as before."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if _report_file is None:
+        return message
+    try:
+        with open(_report_file) as f:
+            same = restart > 0 and f.read() == message
+        if same:
+            return f"error: failed again with the same error as before torchrun's restart {restart} (shown above)"
+    except OSError:
+        pass
+    try:
+        with open(_report_file, "w") as f:
+            f.write(message)
+    except OSError:
+        pass
+    return message
+
+
 def report_and_exit(error: BaseException, code: int = 1) -> None:
     """Prints `error`'s report if this rank is the first to fail, stops child processes, and leaves at once
     (os._exit: a normal exit could wait forever on a peer that is gone, in a collective or a C++ thread)."""
     message = describe(error)
     if message is not None and _first_to_report():
+        message = _said_before(message)
         if "tqdm" in sys.modules:  # below this process's progress bar, not glued to it
             sys.modules["tqdm"].tqdm.write(message, file=sys.stderr)
         else:

@@ -1,4 +1,5 @@
-"""Logging for every script: one console line per step, a tqdm bar, W&B with --track, and per-stage timers.
+"""Logging for every script: one console line per step, a tqdm bar in a terminal, W&B with --track, and per-stage
+timers.
 
 Only rank 0 prints, writes <output_dir>/metrics.jsonl and talks to W&B; metrics arriving here are already reduced
 over ranks. Every step has its rows in metrics.jsonl exactly once, however often the run was killed and resumed:
@@ -13,6 +14,7 @@ W&B respects WANDB_MODE (e.g. `WANDB_MODE=offline` writes the run under <output_
 
 import json
 import os
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from common.signals import signal_point
+from common.signals import crash_point, signal_point
 from common.watchdog import Watchdog
 
 
@@ -42,6 +44,7 @@ class StageTimer:
     def __call__(self, stage: str):
         self._progress(f"stage '{stage}'")
         signal_point(stage, self.step)
+        crash_point(stage, self.step)
         start = time.perf_counter()
         yield
         if self.device.type == "cuda":  # GPU work is asynchronous: wait for it so time lands in its own stage
@@ -98,7 +101,10 @@ class Logger:
             path = os.path.join(output_dir, "metrics.jsonl")
             kept = keep_rows_through(path, start_step) if start_step else []
             self.metrics_file = open(path, "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True) if self.is_main else None
+        # The bar only where a person watches: in a file (Slurm's log, `> log 2>&1`) its redraws would land on the
+        # step lines, so there each step is one line alone.
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name, dynamic_ncols=True,
+                        disable=not sys.stderr.isatty()) if self.is_main else None
         if track and self.is_main:
             import wandb
             self.run = wandb.init(project=project, name=run_name, config=config, dir=output_dir, id=run_id,

@@ -10,24 +10,24 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 
-def check_model_source(model: str | None) -> None:
-    """One clear line for a --model that cannot be a model: a local path that is missing or not an HF model
-    directory (transformers would otherwise read it as a hub id, or ask for a tokenizer package)."""
+def check_model_source(model: str | None, flag: str = "--model") -> None:
+    """One clear line, naming the flag, for a model path that cannot be a model: a local path that is missing or not
+    an HF model directory (transformers would otherwise read it as a hub id, or ask for a tokenizer package)."""
     if model is None:
         return
     local = os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
     if not local:
         return  # a hub id: transformers says what is wrong with it
     if not os.path.isdir(model):
-        raise FileNotFoundError(f"--model {model}: no such directory")
+        raise FileNotFoundError(f"{flag} {model}: no such directory")
     present = sorted(os.listdir(model))
     if "config.json" not in present:
-        raise ValueError(f"--model {model}: not an HF model directory (no config.json; it holds "
+        raise ValueError(f"{flag} {model}: not an HF model directory (no config.json; it holds "
                          f"{present[:8] or 'nothing'})")
     if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"} & set(present):
-        raise ValueError(f"--model {model}: the directory has no tokenizer (tokenizer.json or tokenizer_config.json)")
+        raise ValueError(f"{flag} {model}: the directory has no tokenizer (tokenizer.json or tokenizer_config.json)")
     if not any(name.endswith((".safetensors", ".bin", ".safetensors.index.json")) for name in present):
-        raise ValueError(f"--model {model}: the directory has no weights (*.safetensors)")
+        raise ValueError(f"{flag} {model}: the directory has no weights (*.safetensors)")
 
 
 def saved_as_plain_backend(model: str) -> bool:
@@ -132,6 +132,7 @@ def pick_precision(precision: str, model: str | None) -> str:
         return precision
     if model is None:
         return "fp32"
+    check_model_source(model)  # the first to read the model: a bad path is one line naming it
     with torch.device("meta"):  # no memory: only the parameter count
         net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     return "fp32" if sum(p.numel() for p in net.parameters()) < 0.3e9 else "bf16"

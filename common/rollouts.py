@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from common.data import PromptSampler
 from common.distributed import (all_reduce_sum, decided_by_rank0, finish_distributed, max_over_ranks,
                                 raise_on_all_ranks)
-from common.engines import make_rollout_engine, resolve_engine_kind
+from common.engines import NonFiniteLogits, make_rollout_engine, resolve_engine_kind
 from common.errors import check_ranges
 from common.logprobs import use_packed_attention
 from common.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
@@ -189,10 +189,7 @@ class Rollouts:
         metrics = self._sync()
         prompts = self.sampler.next_batch()
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
-            outputs = generate_and_score(self.engine, self.scorer, self.tokenizer, prompts, n=self.args.group_size,
-                                         max_tokens=self.args.max_response_len, temperature=self.args.temperature,
-                                         top_p=self.args.top_p, seed=self.args.seed * 1_000_003 + step,
-                                         logprobs=wants_rollout_logprobs(self.args, step))
+            outputs = sample_batch(self.engine, self.scorer, self.tokenizer, prompts, self.args, step)
         if self.device.type == "cuda":
             self.rollout_memory = memory_in_use(self.device)
         self._sleep()
@@ -366,6 +363,18 @@ def generate_and_score(engine, scorer: RewardScorer, tokenizer, rows: list[dict]
     return engine.generate([r["prompt_ids"] for r in rows], on_finish=score, **sampling)
 
 
+def sample_batch(engine, scorer: RewardScorer, tokenizer, prompts: list[dict], args, step: int) -> list[list]:
+    """generate_and_score for the batch of `step`: --group-size responses per prompt, sampled."""
+    try:
+        return generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size, max_tokens=args.max_response_len,
+                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + step,
+                                  logprobs=wants_rollout_logprobs(args, step))
+    except NonFiniteLogits as e:
+        cause = "the initial weights are broken" if step == 1 else \
+            f"the update of step {step - 1} is the likely cause: a learning rate too high (--lr {args.lr:g})"
+        raise NonFiniteLogits(f"step {step}: {e}; {cause}") from None
+
+
 def collect_rewards(scorer: RewardScorer) -> tuple[list[list[float]], int]:
     """Collective: the rewards of the groups generated since the last call, by prompt, and how many reward calls
     timed out. A reward function that fails on any rank stops every rank with its message (instead of leaving the
@@ -481,10 +490,7 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             break
         prompts = sampler.next_batch()
         with timer("generate"):
-            outputs = generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
-                                         max_tokens=args.max_response_len, temperature=args.temperature,
-                                         top_p=args.top_p, seed=args.seed * 1_000_003 + step,
-                                         logprobs=wants_rollout_logprobs(args, step))
+            outputs = sample_batch(engine, scorer, tokenizer, prompts, args, step)
         with timer("reward"):  # what scoring adds after generation
             samples, reward_timeouts = scored_samples(prompts, outputs, scorer, version=held)
         stop = stop_agreed(device)  # collective over the rollout ranks: a signal here makes this batch the last

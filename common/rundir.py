@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from common import errors
 from common.distributed import decided_by_rank0
 from common.resume import CHECKPOINT_NAME, newest_intact_checkpoint, read_trainer_state, resolve_resume
 
@@ -95,6 +96,7 @@ def open_run_dir(script: str, given: dict, resolved: dict, fixed: tuple[str, ...
         return {"resume_from": resume_from, "notes": notes}
 
     decided = decided_by_rank0("run_dir", decide)
+    errors.record_reports_in(path)
     return RunDir(name, path, decided["resume_from"], decided["notes"])
 
 

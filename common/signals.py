@@ -93,11 +93,26 @@ def reset() -> None:
 
 def crash_point(name: str, step: int) -> None:
     """Tests only: NANORL_TEST_CRASH=name:step kills this process (SIGKILL, as a node failure would) when it gets
-    here at that step, so a test can stop a run between two writes deterministically."""
-    if os.environ.get("NANORL_TEST_CRASH") == f"{name}:{step}":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    here at that step, so a test can stop a run between two writes deterministically. Options after the step, each
+    after a colon: rank=R (only the launch's rank R), once (only before torchrun's first restart), raise (raise an
+    error instead: a bug that repeats at the same step), hang (wait for ever instead: a rank stuck outside the
+    collective the others wait in)."""
+    point = os.environ.get("NANORL_TEST_CRASH", "").split(":")
+    if point[:2] != [name, str(step)]:
+        return
+    from common import distributed
+    options = point[2:]
+    if f"rank={distributed._global_rank}" not in options and any(o.startswith("rank=") for o in options):
+        return
+    if "once" in options and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if "raise" in options:
+        raise RuntimeError(f"test crash point {name} at step {step}")
+    while "hang" in options:
+        time.sleep(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def signal_point(name: str, step: int) -> None:

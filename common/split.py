@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.distributed import init_distributed, use_store
+from common.distributed import init_distributed, launch_store, use_store
 from sharding.vllm_sync import buckets, hf_name, num_bytes
 
 
@@ -67,7 +67,7 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
     import os
     if "RANK" not in os.environ:
         raise ValueError("--rollout-ranks needs several processes: launch with torchrun --nproc_per_node N")
-    store, global_rank, global_world = next(dist.rendezvous("env://"))
+    store, global_rank, global_world = launch_store()
     store.set_timeout(timedelta(minutes=timeout_minutes))
     use_store(store, global_rank, global_world)
     num_trainers = global_world - num_rollout

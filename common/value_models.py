@@ -22,7 +22,7 @@ def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: in
 
     from common.model import check_model_source, load_model
     if critic_model is not None:
-        check_model_source(critic_model)
+        check_model_source(critic_model, "--critic-model")
         config, policy_config = AutoConfig.from_pretrained(critic_model), _policy_config(model, tokenizer)
         for name in ("vocab_size", "hidden_size"):
             if getattr(config, name, None) != getattr(policy_config, name, None):
@@ -69,7 +69,7 @@ def load_reward_model(path: str):
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from common.model import check_model_source
-    check_model_source(path)
+    check_model_source(path, "--reward-model")
     config = AutoConfig.from_pretrained(path)
     architectures = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):

@@ -79,6 +79,19 @@ def test_bad_flags_are_one_line_once(tmp_path):
     assert_one_line_error(torchrun(["--lr", "-1e-3", "--output-dir", "x"], tmp_path), "--lr must be greater than 0")
 
 
+def test_a_missing_model_directory_is_a_clear_error(tmp_path):
+    """A path that looks local is never read as a hub id (Hugging Face's "Repo id must be in the form ...")."""
+    assert_one_line_error(torchrun([*TINY, "--model", "/nonexistent/dir"], tmp_path, nproc=1),
+                          "--model /nonexistent/dir: no such directory")
+
+
+def test_weights_broken_by_the_learning_rate_are_one_line(tmp_path):
+    """--lr 1e30: the first update leaves finite weights whose logits are not; sampling the next batch says so."""
+    result = torchrun([*TINY, "--steps", "3", "--lr", "1e30", "--output-dir", str(tmp_path / "run")], tmp_path)
+    assert_one_line_error(result, "step 2: sampling failed: the policy's next-token probabilities are inf or NaN")
+    assert "the update of step 1 is the likely cause: a learning rate too high (--lr 1e+30)" in result.stderr
+
+
 def test_missing_dataset_file_is_a_clear_error(tmp_path):
     result = torchrun([*TINY, "--dataset", "nope.jsonl"], tmp_path, nproc=1)
     assert_one_line_error(result, "dataset file not found: nope.jsonl")

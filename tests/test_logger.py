@@ -46,3 +46,43 @@ def test_a_resumed_logger_sends_wandb_only_what_it_lacks(tmp_path, monkeypatch, 
     logger.run = None
     logger.close()
     assert steps_in(path) == list(range(9)) and run.sent == sent
+
+
+LOG_THREE_STEPS = ("import sys\nsys.path.insert(0, {root!r})\nfrom common.logger import Logger\n"
+                   "logger = Logger(0, 3, False, 'p', 'run_x', {{}}, {out!r})\n"
+                   "for step in (1, 2, 3):\n    logger.log(step, {{'reward/mean': 0.5, 'time/update': 0.25}})\n"
+                   "logger.close()\n")
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_log_file_gets_one_line_per_step_and_a_terminal_the_bar(tmp_path, terminal):
+    """Redirected to a file (Slurm, `> log 2>&1`), stdout and stderr hold the step lines alone, one per line; on a
+    terminal the progress bar is there too."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = LOG_THREE_STEPS.format(root=root, out=str(tmp_path))
+    log = tmp_path / "log"
+    if terminal:
+        leader, follower = pty.openpty()
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 wide
+        with open(log, "w") as out:
+            subprocess.run([sys.executable, "-c", code], stdout=out, stderr=follower, check=True, timeout=120)
+        os.close(follower)
+        bar = os.read(leader, 1 << 16).decode()
+        os.close(leader)
+        assert "run_x" in bar and "3/3" in bar
+        text = log.read_text()
+    else:
+        with open(log, "w") as out:
+            subprocess.run([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, check=True, timeout=120)
+        text = log.read_text()
+        assert "\r" not in text and "run_x" not in text
+    lines = text.splitlines()
+    assert len(lines) == 3 and all(re.fullmatch(r"step +\d \| reward=0\.5 \| update=0\.25s", line) for line in lines)

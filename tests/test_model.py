@@ -12,6 +12,8 @@ def test_model_sources(tmp_path):
         check_model_source("/missing/dir")
     with pytest.raises(FileNotFoundError, match="no such directory"):
         check_model_source("./runs/x/hf_step_3")
+    with pytest.raises(FileNotFoundError, match="--critic-model ~/x: no such directory"):  # the flag it came from
+        check_model_source("~/x", "--critic-model")
     with pytest.raises(ValueError, match="not an HF model directory \\(no config.json; it holds nothing\\)"):
         check_model_source(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")

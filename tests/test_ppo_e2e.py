@@ -64,3 +64,5 @@ def test_a_reward_model_that_is_not_a_classifier_is_one_line(tmp_path):
     tokenizer.save_pretrained(tmp_path / "lm")
     result = ppo(["--reward-model", str(tmp_path / "lm"), "--output-dir", str(tmp_path / "run")], tmp_path)
     assert_one_line_error(result, "not a sequence-classification model (its architectures: ['LlamaForCausalLM'])")
+    result = ppo(["--reward-model", "/nonexistent/rm", "--output-dir", str(tmp_path / "run")], tmp_path, nproc=1)
+    assert_one_line_error(result, "--reward-model /nonexistent/rm: no such directory")

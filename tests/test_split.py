@@ -263,7 +263,8 @@ def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
     from common.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
     command = ["--rollout-ranks", "1", "--async-rollout", "--steps", "6", "--save-state-every", "2", "--eval-every",
-               "0", "--eval-size", "32", "--output-dir", str(out), "--reward-workers", "1"]
+               "0", "--eval-size", "16", "--prompts-per-step", "8", "--group-size", "4", "--output-dir", str(out),
+               "--reward-workers", "1"]
     result = torchrun(command, tmp_path, nproc=3, env={"NANORL_TEST_SIGNAL": STOP_MOMENTS[moment]})
     assert result.returncode == 0, failure(result)
     stopped = int(re.search(r"saved the training state at step (\d+)", result.stdout + result.stderr).group(1))

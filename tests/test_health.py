@@ -1,0 +1,35 @@
+"""The health line before the first step (common/health.py): what it measures and when it warns."""
+
+import os
+
+import launcher
+from gloo import finish_gloo, free_port, init_gloo
+
+from common.health import health_report, state_bytes
+
+
+def health_worker(rank: int, port: int, out: str):
+    import torch
+    init_gloo(rank, 2, port)
+    small = health_report(torch.device("cpu"), out, num_params=1000)
+    huge = health_report(torch.device("cpu"), out, num_params=10**15)  # 12 PB a state: no disk holds two
+    if rank == 0:
+        with open(os.path.join(out, "report.txt"), "w") as f:
+            f.write("\n".join(["SMALL", *small, "HUGE", *huge]))
+    finish_gloo()
+
+
+def test_a_state_is_weights_and_two_adam_moments_in_fp32():
+    assert state_bytes(1_000_000) == 12_000_000
+
+
+def test_health_line_measures_the_link_and_warns_of_a_full_disk(tmp_path):
+    launcher.spawn(health_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    small, huge = (tmp_path / "report.txt").read_text().split("\nHUGE\n")
+    small = small.split("\n")[1:]
+    assert len(small) == 1 and small[0].startswith("health: 2 CPU processes (gloo); all-reduce ")
+    assert "GB/s bus bandwidth (one node)" in small[0] and "a training state about 0.0 MB" in small[0]
+    assert float(small[0].split("all-reduce ")[1].split()[0]) > 0
+    line, warning = huge.split("\n")
+    assert line.startswith("health: ") and "a training state about 12000000.0 GB" in line
+    assert warning.startswith(f"warning: {tmp_path} has ") and "room for fewer than two training states" in warning
