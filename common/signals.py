@@ -96,7 +96,8 @@ def crash_point(name: str, step: int) -> None:
     here at that step, so a test can stop a run between two writes deterministically. Options after the step, each
     after a colon: rank=R (only the launch's rank R), once (only before torchrun's first restart), raise (raise an
     error instead: a bug that repeats at the same step), hang (wait for ever instead: a rank stuck outside the
-    collective the others wait in)."""
+    collective the others wait in), until=PATH (wait instead until PATH exists, after creating PATH.reached: a
+    hand-shake with a test that acts on the run while it waits there)."""
     point = os.environ.get("NANORL_TEST_CRASH", "").split(":")
     if point[:2] != [name, str(step)]:
         return
@@ -110,6 +111,11 @@ def crash_point(name: str, step: int) -> None:
         raise RuntimeError(f"test crash point {name} at step {step}")
     while "hang" in options:
         time.sleep(1)
+    if until := next((o.removeprefix("until=") for o in options if o.startswith("until=")), None):
+        open(until + ".reached", "w").close()
+        while not os.path.exists(until):
+            time.sleep(0.1)
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -7,10 +7,14 @@
 # Submit from the repository root; the arguments go to grpo.py (TRAIN_SCRIPT=other.py sbatch ... runs another one).
 # Keep --output-dir fixed: a requeued job resumes from the latest complete checkpoint there (--resume auto).
 #
-# Stopping without losing work: Slurm sends SIGTERM on preemption; torchrun passes it to every training process,
-# which finishes its step, saves a checkpoint and exits (PET_SHUTDOWN_TIMEOUT below is how long torchrun waits
-# before it kills them). Near the time limit, Slurm sends USR1 to this script (--signal), which does the same
-# and then requeues the job. Checkpoints must be on a filesystem every node sees.
+# Stopping without losing work: Slurm sends SIGTERM on preemption (to every process of the job, and torchrun passes
+# it on again: one request), and every training process finishes its step, saves a checkpoint and exits
+# (PET_SHUTDOWN_TIMEOUT below is how long torchrun waits before it kills them). Near the time limit, Slurm sends USR1
+# to this script (--signal), which does the same and then requeues the job. A crashed worker (out of memory, kill -9)
+# makes torchrun restart every worker, up to MAX_RESTARTS times, from the newest checkpoint. With MIN_NODES below the
+# job's node count, the job goes on without a node that failed (torchrun's elastic launch; the run resumes on fewer
+# ranks, which --prompts-per-step must still divide); the first node hosts the rendezvous and cannot be the one
+# lost. Checkpoints must be on a filesystem every node sees.
 #
 #SBATCH --job-name=grpo
 #SBATCH --nodes=2
@@ -48,9 +52,12 @@ trap stop_and_requeue USR1
 # Preemption signals this script too: wait for the run to save instead of exiting (which would end the job now).
 trap 'echo "SIGTERM: waiting for the run to save a checkpoint"; wait "$TRAIN_PID" || true; exit 143' TERM
 
-# srun options in --name=value form; --kill-on-bad-exit stops every node when one fails instead of a hang.
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    torchrun --nnodes "$SLURM_NNODES" --nproc_per_node "$GPUS" \
+MIN_NODES=${MIN_NODES:-$SLURM_NNODES}
+# srun options in --name=value form. Unless the job may lose nodes, --kill-on-bad-exit stops every node when one
+# fails, instead of a hang.
+KILL_ON_BAD_EXIT=$([ "$MIN_NODES" = "$SLURM_NNODES" ] && echo 1 || echo 0)
+srun --ntasks-per-node=1 --kill-on-bad-exit="$KILL_ON_BAD_EXIT" \
+    torchrun --nnodes "$MIN_NODES:$SLURM_NNODES" --nproc_per_node "$GPUS" --max-restarts "${MAX_RESTARTS:-3}" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
     "${TRAIN_SCRIPT:-grpo.py}" "$@" &
 TRAIN_PID=$!

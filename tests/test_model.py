@@ -64,10 +64,12 @@ def test_precision_auto_picks_fp32_below_0_3b_parameters(tmp_path):
 
     from common.model import pick_precision
 
-    def shape(name, hidden, layers, vocab):  # a config only: pick_precision counts parameters on the meta device
+    def shape(name, hidden, layers, vocab):  # pick_precision counts parameters on the meta device: no weights read
         path = tmp_path / name
         Qwen2Config(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, vocab_size=vocab,
                     num_attention_heads=8, num_key_value_heads=8).save_pretrained(path)
+        (path / "tokenizer.json").write_text("{}")  # what check_model_source looks for in a model directory
+        (path / "model.safetensors").write_bytes(b"")
         return str(path)
 
     small = shape("small", 512, 8, 32000)  # 8 layers x 16 x 512^2 + 2 x 16.4M (embedding, head) = 66M
