@@ -19,7 +19,6 @@ algorithm, in the script), then `rollouts.publish(step, stop)` and `rollouts.eva
 
 import collections
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,11 +29,11 @@ from common.distributed import (all_reduce_sum, decided_by_rank0, finish_distrib
                                 raise_on_all_ranks)
 from common.engines import NonFiniteLogits, make_rollout_engine, resolve_engine_kind
 from common.errors import check_ranges
+from common.logger import StageTimer
 from common.logprobs import use_packed_attention
 from common.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
 from common.perf import memory_in_use
 from common.rewards import RewardScorer
-from common.logger import StageTimer
 from common.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested
 from common.split import (STOP, behaviour_version, check_shapes, close_link, eval_versions, load_into_module,
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
@@ -366,9 +365,9 @@ def generate_and_score(engine, scorer: RewardScorer, tokenizer, rows: list[dict]
 def sample_batch(engine, scorer: RewardScorer, tokenizer, prompts: list[dict], args, step: int) -> list[list]:
     """generate_and_score for the batch of `step`: --group-size responses per prompt, sampled."""
     try:
-        return generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size, max_tokens=args.max_response_len,
-                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + step,
-                                  logprobs=wants_rollout_logprobs(args, step))
+        return generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
+                                  max_tokens=args.max_response_len, temperature=args.temperature, top_p=args.top_p,
+                                  seed=args.seed * 1_000_003 + step, logprobs=wants_rollout_logprobs(args, step))
     except NonFiniteLogits as e:
         cause = "the initial weights are broken" if step == 1 else \
             f"the update of step {step - 1} is the likely cause: a learning rate too high (--lr {args.lr:g})"
