@@ -680,9 +680,13 @@ def main():
                      " (another number of ranks: model, optimizer and data position are exact, random streams "
                      "re-seeded)"))
     first_eval, last_eval = resumed["extra"].get("first_eval"), resumed["extra"].get("last_eval")
+    # Online: a fresh colocated run's initial greedy task accuracy; in split placement the rollout ranks get the
+    # weights they start from.
+    initial_task_eval = rollouts.start() if rollouts is not None else {}
     if not resume_path:
-        first_eval = last_eval = evaluate(policy, reference, rollouts, eval_pairs, args, rank, world, device,
-                                          ref if not args.online else None, step=0, timer=timer)
+        first_eval = last_eval = {**evaluate(policy, reference, None, eval_pairs, args, rank, world, device,
+                                             ref if not args.online else None, step=0, timer=timer),
+                                  **initial_task_eval}
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
     timer.pop()
 

@@ -277,6 +277,24 @@ def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("script", ["ppo.py", "dpo.py"])
+def test_ppo_and_online_dpo_stop_the_same_way_in_split_placement(tmp_path, script):
+    """The same rollout helper: SIGTERM to every process as the rollout rank starts batch 3 leaves the state of the
+    last update, and the same command finishes the run with every row once."""
+    out = tmp_path / "run"
+    command = [*(["--online"] if script == "dpo.py" else []), "--rollout-ranks", "1", "--async-rollout", "--steps",
+               "5", "--save-state-every", "100", "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8",
+               "--group-size", "4", "--output-dir", str(out), "--reward-workers", "1"]
+    result = torchrun(command, tmp_path, nproc=3, script=script, env={"NANORL_TEST_SIGNAL": "generate:3"})
+    assert result.returncode == 0, failure(result)
+    stopped = int(re.search(r"saved the training state at step (\d+)", result.stdout + result.stderr).group(1))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "policy/lr" in r] == [*range(1, stopped + 1)]
+    result = torchrun(command, tmp_path, nproc=3, script=script)
+    assert result.returncode == 0, failure(result)
+    assert f"at step {stopped}" in result.stdout + result.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "policy/lr" in r] == [1, 2, 3, 4, 5]
+
+
 def test_sigterm_through_torchrun_in_split_placement(tmp_path):
     """torchrun passes SIGTERM to every rank, at a moment of its own: the run stops at a saved step and resumes."""
     from common.resume import latest_checkpoint, read_trainer_state
