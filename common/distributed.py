@@ -37,10 +37,19 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def launch_store() -> tuple[object, int, int]:
-    """(store, rank, world) of this launch: torchrun's key-value store under a prefix of its own for each attempt.
-    The store outlives torchrun's restarts of the workers (--max-restarts), and what an earlier attempt wrote there
-    (its ranks' addresses, the run directory's decision) must not be taken for this attempt's."""
+    """(store, rank, world) of this launch. Where the workers share torchrun's own store (its default), the store
+    outlives torchrun's restarts of the workers (--max-restarts), and what an earlier attempt wrote there (its ranks'
+    addresses, the run directory's decision) must not be taken for this attempt's: each attempt gets a prefix of its
+    own. On one node torchrun counts the attempts for every worker alike; across nodes the counts can differ (only
+    the node whose worker failed counts a restart), so multi-node launches set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (scripts/slurm_grpo.sh does), which gives every attempt a fresh store and needs no prefix."""
     store, rank, world = next(dist.rendezvous("env://"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store, rank, world
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        if rank == 0:
+            print("warning: torchrun --max-restarts over several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                  "every node's environment: without it a restart can hang in its start-up", file=sys.stderr)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"nanorl_attempt_{attempt}", store), rank, world
 

@@ -96,16 +96,17 @@ def _said_before(message: str) -> str:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if _report_file is None:
         return message
+    record = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}\n{message}"  # this launch's: not an earlier job's
     try:
         with open(_report_file) as f:
-            same = restart > 0 and f.read() == message
+            same = restart > 0 and f.read() == record
         if same:
             return f"error: failed again with the same error as before torchrun's restart {restart} (shown above)"
     except OSError:
         pass
     try:
         with open(_report_file, "w") as f:
-            f.write(message)
+            f.write(record)
     except OSError:
         pass
     return message

@@ -28,7 +28,8 @@ from common.watchdog import Watchdog
 
 class StageTimer:
     """`with timer("rollout"): ...` adds the wall time of the block to `time/rollout` for this step. With
-    hang_timeout_s, a stage (or a gap between stages) that takes longer ends the run (common/watchdog.py)."""
+    hang_timeout_s, from the loop's first step on, a stage (or a gap between stages) that takes longer ends the run
+    (common/watchdog.py); the set-up before the loop (loading, a resume, DPO's reference pass) is not watched."""
 
     def __init__(self, device: torch.device, hang_timeout_s: float | None = None, output_dir: str | None = None):
         self.device, self.seconds, self.step = device, defaultdict(float), 0
@@ -41,8 +42,10 @@ class StageTimer:
         return time.perf_counter()
 
     @contextmanager
-    def __call__(self, stage: str):
-        self._progress(f"stage '{stage}'")
+    def __call__(self, stage: str, waits_for_peers: bool = False):
+        """waits_for_peers: the stage only waits for the other side of split placement (a batch, a weight version),
+        whose own watchdog watches that work: this rank's is paused meanwhile."""
+        self._progress(f"stage '{stage}'", paused=waits_for_peers)
         signal_point(stage, self.step)
         crash_point(stage, self.step)
         start = time.perf_counter()
@@ -52,9 +55,9 @@ class StageTimer:
         self.seconds[f"time/{stage}"] += time.perf_counter() - start
         self._progress(f"the gap after stage '{stage}'")
 
-    def _progress(self, where: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.progress(self.step, where)
+    def _progress(self, where: str, paused: bool = False) -> None:
+        if self.watchdog is not None and self.step:  # from the first step on
+            self.watchdog.progress(self.step, where, paused)
 
     def pop(self) -> dict[str, float]:
         seconds, self.seconds = dict(self.seconds), defaultdict(float)

@@ -272,7 +272,7 @@ class _Worker:
 
     def start(self, call: tuple) -> None:
         self.call, self.started = call, time.monotonic()
-        _send(self.process.stdin.fileno(), call[3:6])
+        _send(self.process.stdin.fileno(), call[3:])
 
     def read(self) -> list | None:
         """The complete messages that have arrived (call when select says fd is readable); None: the process ended."""
@@ -316,8 +316,7 @@ class RewardScorer:
         self.spec, self.timeout_s = spec, timeout_s
         self.workers = [_Worker(spec) for _ in range(workers)]
         self.lock = threading.Condition()
-        # Calls not started: (round, key, index, prompt, completion, answer, when submitted).
-        self.queue = collections.deque()
+        self.queue = collections.deque()  # calls not started: (round, key, index, prompt, completion, answer)
         self.round = 0  # one per collect: a call still under way from a failed round must not land in the next
         self.groups: dict[int, list] = {}  # key -> rewards of its samples (None: not scored yet)
         self.unscored = self.timeouts = 0
@@ -336,15 +335,15 @@ class RewardScorer:
             if key in self.groups:
                 raise ValueError(f"group {key} was submitted twice")
             self.groups[key] = [None] * len(prompts)
-            self.queue.extend((self.round, key, i, p, c, a, time.monotonic())
+            self.queue.extend((self.round, key, i, p, c, a)
                               for i, (p, c, a) in enumerate(zip(prompts, completions, answers)))
             self.unscored += len(prompts)
         os.write(self.wake_write, b"x")
 
     def collect(self) -> tuple[list[list[float]], int]:
-        """(rewards of each group by key, reward calls that timed out). After a stop signal, calls not done
-        stop_grace_s later score 0 as if they had timed out (and so does any later call not done stop_grace_s after
-        its submission), so that the step completes and can be saved."""
+        """(rewards of each group by key, reward calls that timed out). After a stop signal, a call still running
+        stop_grace_s later (or that long after its start) is stopped and scores 0 as if it had timed out, so that a
+        stuck reward cannot hold up the step's save."""
         with self.lock:
             while self.unscored and self.error is None:
                 self.lock.wait(0.1)
@@ -366,41 +365,37 @@ class RewardScorer:
                 if signals.stop_requested() and self.stopped_at is None:
                     self.stopped_at = time.monotonic()
                 with self.lock:
-                    while self.queue and time.monotonic() > self._deadline(self.queue[0]):  # after a stop signal:
-                        self._record(*self.queue.popleft()[1:3], 0.0)  # calls that waited too long score 0, unrun
-                        self.timeouts += 1
-                        self.lock.notify_all()
                     for worker in self.workers:
                         if worker.ready and worker.call is None and self.queue:
                             worker.start(self.queue.popleft())
                 now = time.monotonic()
-                wait = min([1.0] + [max(0.0, self._deadline(w.call, w.started) - now) for w in self.workers if w.call])
+                wait = min([1.0] + [max(0.0, self._deadline(w.started) - now) for w in self.workers if w.call])
                 readable, _, _ = select.select([self.wake_read] + [w.fd for w in self.workers], [], [], wait)
                 if self.wake_read in readable:
                     os.read(self.wake_read, 1 << 16)
                 for worker in [w for w in self.workers if w.fd in readable]:
                     self._receive(worker)
                 for worker in self.workers:
-                    if worker.call and time.monotonic() > self._deadline(worker.call, worker.started):
+                    if worker.call and time.monotonic() > self._deadline(worker.started):
                         self._replace(worker)
         except Exception as e:  # noqa: BLE001 - handed to collect
             with self.lock:
                 self.error = self.error or e
                 self.lock.notify_all()
 
-    def _deadline(self, call: tuple, started: float | None = None) -> float:
-        """When a call is stopped (or, not started yet, dropped): at its time limit, and once a stop signal has come,
-        stop_grace_s after the signal (calls submitted before it share that deadline) or after its own submission."""
-        limit = math.inf if self.timeout_s is None or started is None else started + self.timeout_s
+    def _deadline(self, started: float) -> float:
+        """When a running call is stopped: at its time limit, and once a stop signal has come, stop_grace_s after the
+        signal or after the call's own start, whichever is later (calls still queued run as usual)."""
+        limit = math.inf if self.timeout_s is None else started + self.timeout_s
         if self.stopped_at is not None:
-            limit = min(limit, max(call[6], self.stopped_at) + self.stop_grace_s)
+            limit = min(limit, max(started, self.stopped_at) + self.stop_grace_s)
         return limit
 
     def _receive(self, worker: _Worker) -> None:
         messages = worker.read()
         with self.lock:
             if messages is None:  # the process ended
-                what = f"while scoring sample {worker.call[2]} of group {worker.call[1]}{_sample(*worker.call[3:6])}" \
+                what = f"while scoring sample {worker.call[2]} of group {worker.call[1]}{_sample(*worker.call[3:])}" \
                     if worker.call else "while loading the reward"
                 self.error = self.error or RewardError(
                     f"a reward process died {what} (a crash or os._exit in the reward function?)")
@@ -413,7 +408,7 @@ class RewardScorer:
                 elif kind == "failed":
                     self.error = self.error or RewardError(f"the reward could not be loaded in its process: {value}")
                 else:
-                    round_, key, index, prompt, completion, answer, _ = worker.call
+                    round_, key, index, prompt, completion, answer = worker.call
                     worker.call = None
                     if round_ != self.round:
                         continue

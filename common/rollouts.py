@@ -297,7 +297,7 @@ class Rollouts:
 
     def _receive_batch(self, step: int) -> tuple[list[dict], dict[str, float]]:
         self.sampler.next_batch()  # the data position only
-        with self.timer("rollout_wait"):
+        with self.timer("rollout_wait", waits_for_peers=True):
             batch = self._receive(step)
         samples = batch["samples"]
         metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
@@ -370,7 +370,7 @@ def sample_batch(engine, scorer: RewardScorer, tokenizer, prompts: list[dict], a
                                   seed=args.seed * 1_000_003 + step, logprobs=wants_rollout_logprobs(args, step))
     except NonFiniteLogits as e:
         cause = "the initial weights are broken" if step == 1 else \
-            f"the update of step {step - 1} is the likely cause: a learning rate too high (--lr {args.lr:g})"
+            f"the updates so far broke them: a learning rate too high (--lr {args.lr:g}) is the likely cause"
         raise NonFiniteLogits(f"step {step}: {e}; {cause}") from None
 
 
@@ -459,7 +459,9 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         """Receives every scheduled version up to `version`, evaluating those due. False: STOP came instead."""
         nonlocal held
         while versions and versions[0] <= version:
-            if (received := recv_header(placement, device)) == STOP:
+            with timer("weights_wait", waits_for_peers=True):  # the trainers' step, or their STOP
+                received = recv_header(placement, device)
+            if received == STOP:
                 return False
             assert received == versions.pop(0), f"weight version {received} arrived out of schedule"
             with timer("sync"):
@@ -498,8 +500,9 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         if stop and step < args.steps:  # the trainers train it, save, stop and say STOP
             finished = receive_through(args.steps, evaluating=False)
             break
+    if finished:  # the last versions (evaluation only), unless the trainers stopped in the meantime
+        finished = receive_through(args.steps)
     if finished:
-        receive_through(args.steps)  # the last versions (evaluation only)
         send({"step": None, "samples": [], "reward_timeouts": 0})
     else:  # the trainers take every message up to this one
         send({"step": "stopped", "samples": [], "reward_timeouts": 0})

@@ -101,9 +101,8 @@ def crash_point(name: str, step: int) -> None:
     point = os.environ.get("NANORL_TEST_CRASH", "").split(":")
     if point[:2] != [name, str(step)]:
         return
-    from common import distributed
     options = point[2:]
-    if f"rank={distributed._global_rank}" not in options and any(o.startswith("rank=") for o in options):
+    if not _for_this_rank(options):
         return
     if "once" in options and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
@@ -123,13 +122,20 @@ def crash_point(name: str, step: int) -> None:
 
 def signal_point(name: str, step: int) -> None:
     """Tests only: NANORL_TEST_SIGNAL=name:step sends SIGTERM, when this process gets to `name` at that step, to
-    every process of the launch (as Slurm signals every process of a job), or with name:step:self to this one alone:
-    a stop signal at a chosen moment, deterministically."""
+    every process of the launch (as Slurm signals every process of a job); options after the step, each after a
+    colon: self (to this process alone), rank=R (only the launch's rank R acts). A stop signal at a chosen moment,
+    deterministically."""
     point = os.environ.get("NANORL_TEST_SIGNAL", "").split(":")
-    if point[:2] != [name, str(step)]:
+    if point[:2] != [name, str(step)] or not _for_this_rank(point[2:]):
         return
     from common import distributed
-    pids = [os.getpid()] if point[2:] == ["self"] else \
+    pids = [os.getpid()] if "self" in point[2:] else \
         [int(distributed._store.get(f"nanorl/pid/{r}")) for r in range(distributed._global_world)]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
+
+
+def _for_this_rank(options: list[str]) -> bool:
+    from common import distributed
+    wanted = [o.removeprefix("rank=") for o in options if o.startswith("rank=")]
+    return not wanted or str(distributed._global_rank) in wanted

@@ -203,7 +203,7 @@ def stop_rollout_ranks(placement: Placement, device: torch.device) -> None:
     # received below.
     header = placement.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64, device=device), 0)
     for r in range(placement.num_rollout):
-        while recv_object(placement.samples_link, 1 + r)["step"] != "stopped":
+        while recv_object(placement.samples_link, 1 + r)["step"] not in ("stopped", None):
             pass
     header.wait()
     close_link(placement)

@@ -3,7 +3,8 @@ two, never finished) writes the Python stack of every thread to <output_dir>/han
 ranks names the stage, the step and the ranks that did not get there, and the process exits with code 1, so that
 `torchrun --max-restarts` or Slurm starts the run again from its newest state instead of waiting for ever.
 
-Progress is what common.logger.StageTimer sees: a step's start and each stage's start and end. Each rank also
+Progress is what common.logger.StageTimer sees from the loop's first step on: a step's start and each stage's start
+and end; a wait for the other side of split placement is not counted (that side watches its own work). Each rank also
 writes where it is (step and stage) to torchrun's key-value store, which outlives any one rank, so the rank that
 notices a hang can tell which ranks are elsewhere: a peer that died, or one stuck outside the collective the others
 wait in. Every live rank times out on its own and writes its own stack.
@@ -27,10 +28,11 @@ class Watchdog:
         self.lock = threading.Lock()
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def progress(self, step: int, where: str) -> None:
-        """The main thread got somewhere: `where` is a stage name, or `after <stage>` between stages."""
+    def progress(self, step: int, where: str, paused: bool = False) -> None:
+        """The main thread got somewhere (`where`: a stage, or a gap after one); paused: not watched until the next
+        progress (a wait for the other side of split placement, whose own watchdog watches its work)."""
         with self.lock:
-            self.step, self.where, self.last = step, where, time.monotonic()
+            self.step, self.where, self.last = step, where, None if paused else time.monotonic()
         try:
             self.store.set(f"nanorl/progress/{self.rank}", json.dumps([step, where]))
         except Exception:  # noqa: BLE001 - the store is gone (the launcher died): the rank leaves by itself

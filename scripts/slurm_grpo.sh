@@ -13,8 +13,9 @@
 # to this script (--signal), which does the same and then requeues the job. A crashed worker (out of memory, kill -9)
 # makes torchrun restart every worker, up to MAX_RESTARTS times, from the newest checkpoint. With MIN_NODES below the
 # job's node count, the job goes on without a node that failed (torchrun's elastic launch; the run resumes on fewer
-# ranks, which --prompts-per-step must still divide); the first node hosts the rendezvous and cannot be the one
-# lost. Checkpoints must be on a filesystem every node sees.
+# ranks, which --prompts-per-step must still divide; submit with `sbatch --no-kill`, or Slurm ends the allocation
+# with the node); the first node hosts the rendezvous and cannot be the one lost. Checkpoints must be on a
+# filesystem every node sees.
 #
 #SBATCH --job-name=grpo
 #SBATCH --nodes=2
@@ -54,9 +55,12 @@ trap 'echo "SIGTERM: waiting for the run to save a checkpoint"; wait "$TRAIN_PID
 
 MIN_NODES=${MIN_NODES:-$SLURM_NNODES}
 # srun options in --name=value form. Unless the job may lose nodes, --kill-on-bad-exit stops every node when one
-# fails, instead of a hang.
-KILL_ON_BAD_EXIT=$([ "$MIN_NODES" = "$SLURM_NNODES" ] && echo 1 || echo 0)
-srun --ntasks-per-node=1 --kill-on-bad-exit="$KILL_ON_BAD_EXIT" \
+# fails, instead of a hang; if it may (submit with `sbatch --no-kill` too), --no-kill keeps the step on the others.
+# torchrun's workers otherwise share one key-value store over all its restarts, and across nodes the restarts are
+# not counted alike: a fresh store for every attempt (common/distributed.py's launch_store).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+if [ "$MIN_NODES" = "$SLURM_NNODES" ]; then NODE_LOSS=(--kill-on-bad-exit=1); else NODE_LOSS=(--no-kill); fi
+srun --ntasks-per-node=1 "${NODE_LOSS[@]}" \
     torchrun --nnodes "$MIN_NODES:$SLURM_NNODES" --nproc_per_node "$GPUS" --max-restarts "${MAX_RESTARTS:-3}" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
     "${TRAIN_SCRIPT:-grpo.py}" "$@" &

@@ -253,8 +253,8 @@ def test_scorer_rejects_a_bad_spec_before_starting_processes(tmp_path):
 
 
 def test_a_stop_signal_does_not_wait_for_a_stuck_reward(scorer_reward):
-    """After SIGTERM or Ctrl-C, the calls not done stop_grace_s later score 0 like a time-out (counted; a stuck one
-    is stopped, those waiting behind it never run), and each later call gets the same grace from its submission:
+    """After SIGTERM or Ctrl-C, a call still running stop_grace_s later is stopped and scores 0 like a time-out
+    (counted), the calls queued behind it run as usual, and each later call gets the same grace from its start:
     the step completes and can be saved."""
     from common import signals
 
@@ -266,7 +266,7 @@ def test_a_stop_signal_does_not_wait_for_a_stuck_reward(scorer_reward):
         waiter = threading.Thread(target=lambda: outcome.append(scorer.collect()), daemon=True)  # never hangs
         waiter.start()
         waiter.join(timeout=20)
-        assert outcome == [([[0.0, 0.0]], 2)]
+        assert outcome == [([[0.0, 1.0]], 1)]
         stuck = [w.process.pid for w in scorer.workers]
         scorer.submit(1, ["p", "p"], ["yes", "stuck"], ["yes", "yes"])  # later calls: the same grace each
         assert scorer.collect() == ([[1.0, 0.0]], 1)

@@ -81,12 +81,15 @@ def test_time_limit_saves_the_step_and_requeues(tmp_path):
     job = submit(tmp_path, {"NANORL_TEST_CRASH": f"update:3:rank=0:until={tmp_path / 'go'}"})
     stop_at_step_3(tmp_path, job, lambda: subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True))
     wait_until(lambda: job_field(job, "Restarts") == "1", "the requeue")
-    assert "SIGTERM: saved the training state at step 3" in log_of(tmp_path, job)
-    # Slurm holds a requeued job for a while (BeginTime) before it may start again: let it start now.
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    # Slurm holds a requeued job for a while (BeginTime) before it may start again: once it is pending, let it start.
+    wait_for_state(job, ("PENDING", "RUNNING", "COMPLETED"))
+    update = subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, text=True)
+    assert update.returncode == 0 or job_field(job, "JobState") != "PENDING", update.stderr
     assert wait_for_state(job, ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", log_of(tmp_path, job)[-3000:]
     log = log_of(tmp_path, job)
-    assert "(restart 1)" in log and f"resumed from {tmp_path / 'run' / 'state_000003'} at step 3" in log
+    saved, restarted = log.find("SIGTERM: saved the training state at step 3"), log.find("(restart 1)")
+    assert 0 <= saved < restarted, log[-3000:]  # the requeued job started after the save
+    assert f"resumed from {tmp_path / 'run' / 'state_000003'} at step 3" in log
     assert rows(tmp_path) == [0, 1, 2, 3, 4, 5]
 
 

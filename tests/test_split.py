@@ -242,16 +242,20 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
     assert "resumed from" in result.stdout + result.stderr
 
 
-# Where a stop signal arrives (NANORL_TEST_SIGNAL, common.signals.signal_point): the stage a process enters at step 3,
-# and whether every process of the launch gets SIGTERM (as under Slurm) or only the one that got there.
+# Where a stop signal arrives (NANORL_TEST_SIGNAL, common.signals.signal_point): the stage a process enters at a
+# step, and whether every process of the launch gets SIGTERM (as under Slurm) or only the one that got there; then
+# the flags that differ from an async run of 6 steps with one rollout rank.
 STOP_MOMENTS = {
-    "during generation": "generate:3",  # on the rollout rank; the trainers train batch 2 or wait for batch 3
-    "while the trainers wait for a batch": "rollout_wait:3",
-    "during an update": "update:3",
-    "during a weight push": "sync:3",  # trainer 0 pushes version 3; the rollout rank receives a version too
-    "during a save": "save_state:2",  # --save-state-every 2: the periodic save of step 2
-    "on the rollout rank alone": "generate:3:self",  # the trainers learn it from the batch
-    "on one trainer alone": "update:3:self",  # the rollout rank learns it from the STOP header
+    "during generation": ("generate:3", []),  # on the rollout rank; the trainers train batch 2 or wait for batch 3
+    "while the trainers wait for a batch": ("rollout_wait:3", []),
+    "during an update": ("update:3", []),
+    "during a weight push": ("sync:3:rank=0", []),  # trainer 0 pushes version 3
+    "during a save": ("save_state:2", []),  # --save-state-every 2: the periodic save of step 2
+    "on the rollout rank alone": ("generate:3:self", []),  # the trainers learn it from the batch
+    "on one trainer alone": ("update:3:self:rank=1", []),  # the others from stop_agreed, the rollout rank from STOP
+    "one step before the end": ("update:5", []),  # the rollout rank already has what its last batch needs
+    "two before the end, staleness 2": ("update:4", ["--max-staleness", "2"]),
+    "synchronous": ("update:3", ["--no-async-rollout"]),
 }
 
 
@@ -262,10 +266,11 @@ def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
     then continues from that state to the end, with every step's row exactly once."""
     from common.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
+    point, flags = STOP_MOMENTS[moment]
     command = ["--rollout-ranks", "1", "--async-rollout", "--steps", "6", "--save-state-every", "2", "--eval-every",
                "0", "--eval-size", "16", "--prompts-per-step", "8", "--group-size", "4", "--output-dir", str(out),
-               "--reward-workers", "1"]
-    result = torchrun(command, tmp_path, nproc=3, env={"NANORL_TEST_SIGNAL": STOP_MOMENTS[moment]})
+               "--reward-workers", "1", *flags]
+    result = torchrun(command, tmp_path, nproc=3, env={"NANORL_TEST_SIGNAL": point})
     assert result.returncode == 0, failure(result)
     stopped = int(re.search(r"saved the training state at step (\d+)", result.stdout + result.stderr).group(1))
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
