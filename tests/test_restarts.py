@@ -7,8 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from test_grpo_e2e import ROOT, TINY
 from test_split import read_metrics
+
+
+pytestmark = pytest.mark.faults
 
 
 def torchrun_with_restarts(args: list[str], cwd, nproc: int, restarts: int, crash: str) -> subprocess.CompletedProcess:

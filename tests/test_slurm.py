@@ -3,8 +3,8 @@ a time limit's USR1 saves the step the run is on and requeues the job, which res
 the same sbatch continues; a killed training process is restarted by torchrun inside the job. Each signal reaches
 the run at a step fixed by a hand-shake (a crash point that waits for the test), never after a sleep.
 
-Run apart from the main suite (they take minutes: a requeued job is held by Slurm before it runs again):
-`python -m pytest -q -m slurm`. Skipped, with the reason, where no Slurm can be started (not root, no packages).
+Run apart from the main suite (they take minutes), with the other fault tests: `python -m pytest -q -m slurm`
+(or -m "faults or slurm"). Skipped, with the reason, where no Slurm can be started (not root, no packages).
 """
 
 import json

@@ -259,6 +259,7 @@ STOP_MOMENTS = {
 }
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("moment", STOP_MOMENTS)
 def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
     """SIGTERM at any moment of an async split run: every rank finishes what it is doing, the trainers save the state
@@ -282,6 +283,7 @@ def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("script", ["ppo.py", "dpo.py"])
 def test_ppo_and_online_dpo_stop_the_same_way_in_split_placement(tmp_path, script):
     """The same rollout helper: SIGTERM to every process as the rollout rank starts batch 3 leaves the state of the
@@ -298,6 +300,7 @@ def test_ppo_and_online_dpo_stop_the_same_way_in_split_placement(tmp_path, scrip
     assert 2 <= stopped < 5 and read_trainer_state(latest_checkpoint(str(out)))["step"] == stopped
 
 
+@pytest.mark.faults
 def test_sigterm_through_torchrun_in_split_placement(tmp_path):
     """torchrun passes SIGTERM to every rank, at a moment of its own: the run stops at a saved step and resumes."""
     from common.resume import latest_checkpoint, read_trainer_state
