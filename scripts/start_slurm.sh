@@ -7,7 +7,8 @@
 #   sudo bash scripts/start_slurm.sh && sinfo
 set -euo pipefail
 
-if sinfo --noheader >/dev/null 2>&1 && [ "$(sinfo --noheader --format=%t | head -1)" = idle ]; then
+if sinfo --noheader >/dev/null 2>&1 && [ "$(sinfo --noheader --format=%t | head -1)" = idle ] \
+        && grep -q cred_expire=10 /etc/slurm/slurm.conf 2>/dev/null; then
     echo "slurm: already running"; exit 0
 fi
 if [ "$(id -u)" != 0 ]; then echo "slurm: needs root (packages, daemons)" >&2; exit 1; fi
@@ -31,6 +32,8 @@ ClusterName=nanorl
 SlurmctldHost=$HOST
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits for its credential to expire before it may start again (120 s by default): 10 s here.
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobRequeue=1
