@@ -1,6 +1,7 @@
 """Where the in-loop sync's wake-up goes, and what reordering it could save (scratch profile, one GPU).
 
-torchrun --standalone --nproc_per_node 1 prof_wake.py SHAPE GPU_MEMORY ITERS OUT.json   (copied to the repo root)
+torchrun --standalone --nproc_per_node 1 scripts/prof_wake.py SHAPE GPU_MEMORY ITERS OUT.json   (from the repo root; run
+as a copy in the repo root for benchmarks/results/sync_level0_kv_sized_1xh200/profile_wake_*.json)
 
 Variants on one engine (level-2 sleep unless said): "current" the sync as update_weights made it before level 0, each
 part timed; "overlap" the KV cache mapped while the transfer's copies run; "kv_only" and "kv_only_serial" only the KV
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/, scripts/ and sharding/
 from common.distributed import init_distributed
 from common.vllm_engine import VLLMRolloutEngine
 from scripts.bench_sync import build_policy, save_config
