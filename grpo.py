@@ -28,23 +28,19 @@ from typing import Literal
 import torch
 
 from common.batching import batching_metrics, pad_rows, plan_equal_micro_batches, share_samples_evenly
-from common.data import load_train_eval, tokenize_prompts
-from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
+from common.distributed import finish_distributed, max_over_ranks, sum_over_ranks
 from common.errors import check_ranges, parse_args, run_main
-from common.health import health_report
-from common.logger import Logger, StageTimer
+from common.logger import start_logging
 from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths, use_packed_attention
-from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model
-from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hyperparameters
-from common.perf import TrainingMemoryPeak, mfu, peak_flops
-from common.rewards import load_reward_fn
-from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
-from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults,
-                             mismatch_metrics, serve_rollouts)
+from common.model import load_model, load_tokenizer, shard_model
+from common.optim import BadStepCounter, clip_and_step, make_optimizer
+from common.perf import StepPerf
+from common.resume import Checkpoints
+from common.rollouts import (Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts, mismatch_metrics,
+                             serve_rollouts)
 from common.rundir import open_run_dir
-from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
+from common.signals import stop_agreed
 from common.split import init_placement
-from sharding.checkpoint import save_hf_checkpoint
 
 
 @dataclass
@@ -379,39 +375,32 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     return metrics
 
 
-def main():
-    args = parse_args(Args)
-    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
-    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
-    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C: finish the step, save, stop (common/signals.py)
-    rank, world = placement.rank, placement.world
-    quiet_libraries()
-    # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
+def resolve_defaults(args: Args) -> None:
+    """The flags left unset, from the task: the built-in one is tiny and starts from random weights."""
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
     args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
-    fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts
+    fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
+
+
+def main():
+    args = parse_args(Args)
+    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    resolve_defaults(args)
     check_args(args, placement.num_trainers)
-    load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
+    rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
-    # The run's directory: locked for this run, and resumed from its newest intact training state (--resume auto).
+    # The run's directory, locked for this run and resumed from its newest intact training state (--resume auto);
+    # the prompts, with the answers the reward checks.
     run_dir = open_run_dir("grpo", given, asdict(args), FIXED_ON_RESUME)
-    resume_path, output_dir = run_dir.resume_from, run_dir.path
-    resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
-    start_step = resumed["step"]
-
-    # Data: prompts and the answers the reward checks them against.
     tokenizer = load_tokenizer(args.model)
-    train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
-                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
-    check_reward_fits(args, eval_rows)  # a reward that cannot score the data's own answers stops here, in one line
-    formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
-    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, *formats)
-    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, *formats)
+    train_rows, eval_rows, data_notes = load_prompts(args, tokenizer)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
-        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
+        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
+                              run_dir.start_step)
 
     # Model, reference model, optimizer.
     policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
@@ -421,33 +410,22 @@ def main():
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
                                 compile_layers=args.compile, precision=args.precision)
         use_packed_attention(reference, device)
-    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
+    num_params = sum(p.numel() for p in policy.parameters())
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
-                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
-    for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "
-                 f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}",
-                 f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}",
-                 *health_report(device, output_dir, num_params)]:  # collective: devices, all-reduce, disk
-        logger.print(note)
-    timer = StageTimer(device, args.hang_timeout, output_dir)
-    rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,
-                        logger, timer)
-    install_stop_handlers()  # again: the engine may have set handlers of its own
-    bad_steps = BadStepCounter(args.max_bad_steps)
-    if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
-        info = load_training_state(resume_path, policy, optimizer, scheduler, rollouts)
-        set_hyperparameters(optimizer, scheduler, args.lr, args.weight_decay)  # this command's, not the saved ones
-        bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
-        logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
-                     f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are exact, "
-                     f"random streams re-seeded)"))
+    logger, timer = start_logging(args, run_dir, rank, device, data_notes, num_params)
+    rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
+                        run_dir.start_step, logger, timer)
+    bad_steps, perf = BadStepCounter(args.max_bad_steps), StepPerf(num_params, device, world)
+    checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts, bad_steps,
+                              {"policy": (policy, optimizer, scheduler, args.lr)}, {"": policy},
+                              probes=[train_rows[0]["prompt"]])
+    checkpoints.resume()
     if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
         logger.log(0, {**initial_eval, **timer.pop()}, advance=False)
     timer.pop()
 
     stop = False
-    for step in range(start_step + 1, args.steps + 1):
+    for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
@@ -462,7 +440,7 @@ def main():
         # 4. Log-probs of the sampled tokens under the current (old) policy and the reference (groups with signal).
         # With one optimizer step per batch the old policy is the one being updated: its log-probs come from the
         # update's own forward pass (detached), not from a pass of their own.
-        training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
+        perf.start()
         with timer("logprobs"):
             budget, kept = args.max_tokens_per_micro_batch, [s for s in samples if s["loss_weight"] > 0]
             if not one_step_per_batch(args):
@@ -489,44 +467,25 @@ def main():
         trained = metrics.pop("trained_tokens") * args.epochs  # the update passes only samples with signal
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "time/step": step_seconds,
                         "perf/tokens_per_s": total_tokens / step_seconds,
-                        "perf/train_tokens_per_s": trained / timer.seconds["time/update"]})
-        if (train_mfu := mfu(num_params, trained, timer.seconds["time/update"], peak, world)):
-            metrics["perf/mfu"] = train_mfu
-        if training_memory is not None:  # the step's peak on the fullest GPU: generating or training, all included
-            metrics["perf/peak_memory_gb"] = max_over_ranks(
-                max(rollouts.rollout_memory, training_memory.peak()) / 1e9, device)
-        metrics.update(rollouts.evaluate(step))  # held-out greedy accuracy, when due
-        if args.save_every and step % args.save_every == 0 or step == args.steps:
-            with timer("save"):
-                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
-                                   checkpoint_dtype(args.model), probes=[train_rows[0]["prompt"]])
-        logger.log(step, {**metrics, **timer.pop()})  # before the state: a state never exists without its row
-        crash_point("after_row", step)
+                        "perf/train_tokens_per_s": trained / timer.seconds["time/update"],
+                        **perf.metrics(trained, timer.seconds["time/update"], rollouts.rollout_memory),
+                        **rollouts.evaluate(step)})  # held-out greedy accuracy, when due
+        checkpoints.export(step)
+        logger.log(step, {**metrics, **timer.pop()})
 
-        # 8. Checkpoint: a resumable training state (its time is logged with the next step).
-        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
-            with timer("save_state"):
-                save_training_state(output_dir, step, policy, optimizer, scheduler, rollouts,
-                                    {"wandb_run_id": logger.run_id, "bad_steps_in_a_row": bad_steps.in_a_row,
-                                     "args": asdict(args)})
-                prune_checkpoints(output_dir, args.keep_checkpoints)
-        crash_point("after_state", step)
+        # 8. Checkpoint: a resumable training state.
+        checkpoints.save(step, stop)
         if stop:
-            logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
-                         f"{step}; run the same command again to continue")
             break
 
-    if start_step >= args.steps:
-        logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
-                     f"(--steps trains further)")
-    if not stop and start_step <= args.steps:  # past --steps already: said above, and its export is elsewhere
+    checkpoints.say_if_nothing_to_do()
+    if not stop and run_dir.start_step <= args.steps:  # past --steps already: said above, and its export is elsewhere
         logger.print(f"held-out greedy accuracy: {rollouts.first_eval['eval/accuracy']:.3f} before training -> "
                      f"{rollouts.last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
-                     f"{os.path.join(output_dir, f'hf_step_{args.steps}')}")
+                     f"{os.path.join(run_dir.path, f'hf_step_{args.steps}')}")
     logger.close()
     rollouts.close()
     finish_distributed(exit_process=placement.split)
-
 
 if __name__ == "__main__":
     run_main(main)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from common.health import health_report
 from common.signals import crash_point, signal_point
 from common.watchdog import Watchdog
 
@@ -146,3 +147,14 @@ class Logger:
             self.bar.close()
         if self.run is not None:
             self.run.finish()
+
+
+def start_logging(args, run_dir, rank: int, device, notes: list[str], num_params: int) -> tuple[Logger, StageTimer]:
+    """Collective. The run's logger (metrics.jsonl, the console, W&B with --track, continuing a resumed run's) and
+    its stage timer (which also watches for hangs); prints the run directory's notes, the script's `notes` and the
+    health line (devices, all-reduce bandwidth, disk space for `num_params` parameters' states)."""
+    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, vars(args), run_dir.path,
+                    run_id=run_dir.saved.get("wandb_run_id"), start_step=run_dir.start_step)
+    for note in [*run_dir.notes, *notes, *health_report(device, run_dir.path, num_params)]:
+        logger.print(note)
+    return logger, StageTimer(device, args.hang_timeout, run_dir.path)

@@ -2,6 +2,8 @@
 
 import torch
 
+from common.distributed import max_over_ranks
+
 
 # Dense bf16 tensor-core peak, FLOP/s, by device-name substring.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
@@ -40,3 +42,24 @@ def mfu(num_params: int, tokens: float, seconds: float, peak: float | None, num_
     if peak is None or seconds <= 0:
         return None
     return 6 * num_params * tokens / seconds / (peak * num_gpus)
+
+
+class StepPerf:
+    """A trainer's per-step performance figures: the update's MFU and, on GPUs, the step's peak memory on the
+    fullest GPU (generation included). `start()` at the start of the step's training phases, `metrics()` at its end."""
+
+    def __init__(self, num_params: int, device: torch.device, num_gpus: int):
+        self.num_params, self.device, self.num_gpus, self.peak = num_params, device, num_gpus, peak_flops(device)
+        self.memory = None
+
+    def start(self) -> None:
+        self.memory = TrainingMemoryPeak(self.device) if self.device.type == "cuda" else None
+
+    def metrics(self, trained_tokens: float, update_seconds: float, rollout_memory: int = 0) -> dict[str, float]:
+        """Collective on GPUs. trained_tokens: tokens the update's passes took over all ranks (times epochs)."""
+        out = {}
+        if (value := mfu(self.num_params, trained_tokens, update_seconds, self.peak, self.num_gpus)):
+            out["perf/mfu"] = value
+        if self.memory is not None:
+            out["perf/peak_memory_gb"] = max_over_ranks(max(rollout_memory, self.memory.peak()) / 1e9, self.device)
+        return out

@@ -15,6 +15,7 @@ HF-format export is separate (sharding/checkpoint.py).
         COMPLETE                       {"files": {name: size in bytes}}
 """
 
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 from common.distributed import raise_on_all_ranks
+from common.model import checkpoint_dtype
+from common.optim import set_hyperparameters
+from common.signals import crash_point, stop_requested
+from sharding.checkpoint import save_hf_checkpoint
 
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -285,3 +290,70 @@ def resolve_resume(spec: str, output_dir: str) -> str | None:
     if damage := checkpoint_damage(spec):
         raise ValueError(f"--resume {spec}: the checkpoint is damaged ({damage})")
     return spec
+
+
+class Checkpoints:
+    """A trainer's saves and its resume, the same in every script. `models` maps a name to (model, optimizer,
+    scheduler, lr) for every model the state holds: "policy" first, then e.g. PPO's "critic" or DPO's moving
+    "reference" (optimizer, scheduler and lr None). `exports` maps a subdirectory of hf_step_<step>/ to a model
+    exported in HF format ("": the policy). `on_gpu()`: a context that brings offloaded models in while they are
+    saved or loaded. A script calls `resume()` once everything is built (last, so that the restored random streams
+    are the ones the loop continues with), `export()` before a step's row is logged and `save()` after it: a
+    training state never exists without its row."""
+
+    def __init__(self, args, run_dir, logger, timer, tokenizer, data, bad_steps, models: dict, exports: dict,
+                 probes: list[str] | None = None, on_gpu=contextlib.nullcontext):
+        self.args, self.run_dir, self.logger, self.timer, self.tokenizer = args, run_dir, logger, timer, tokenizer
+        self.data, self.bad_steps, self.models, self.exports = data, bad_steps, models, exports
+        self.probes, self.on_gpu = probes, on_gpu
+        (self.policy, self.optimizer, self.scheduler, _), *more = models.values()
+        self.more = {name: model[:3] for name, model in list(models.items())[1:]} or None
+
+    def resume(self) -> dict:
+        """Restores the newest state (if the run directory chose one) and returns its extras ({} for a fresh run).
+        The learning rates and weight decay are this command's, not the saved ones."""
+        path = self.run_dir.resume_from
+        if path is None:
+            return {}
+        with self.on_gpu():
+            info = load_training_state(path, self.policy, self.optimizer, self.scheduler, self.data, self.more)
+        for model, optimizer, scheduler, lr in self.models.values():
+            if optimizer is not None:
+                set_hyperparameters(optimizer, scheduler, lr, self.args.weight_decay)
+        self.bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
+        self.logger.print(f"resumed from {path} at step {info['step']}" + ("" if info["exact_rng"] else
+                          f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are "
+                          f"exact, random streams re-seeded)"))
+        return info["extra"]
+
+    def export(self, step: int) -> None:
+        """HF-format models in <output_dir>/hf_step_<step>/ at --save-every and at the last step."""
+        if self.args.save_every and step % self.args.save_every == 0 or step == self.args.steps:
+            with self.timer("save"), self.on_gpu():
+                for subdir, model in self.exports.items():
+                    save_hf_checkpoint(model, self.tokenizer, os.path.join(self.run_dir.path, f"hf_step_{step}",
+                                                                           subdir),
+                                       checkpoint_dtype(self.args.model), probes=self.probes)
+
+    def save(self, step: int, stop: bool, extra: dict | None = None) -> None:
+        """A resumable training state at --save-state-every, at the last step and on a stop (then says how to go on);
+        its time is logged with the next step. `extra`: what the script wants back from `resume()`."""
+        crash_point("after_row", step)
+        args = self.args
+        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
+            with self.timer("save_state"), self.on_gpu():
+                save_training_state(self.run_dir.path, step, self.policy, self.optimizer, self.scheduler, self.data,
+                                    {"wandb_run_id": self.logger.run_id, "bad_steps_in_a_row": self.bad_steps.in_a_row,
+                                     "args": vars(args), **(extra or {})}, self.more)
+                prune_checkpoints(self.run_dir.path, args.keep_checkpoints)
+        crash_point("after_state", step)
+        if stop:
+            self.logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
+                              f"{step}; run the same command again to continue")
+
+    def say_if_nothing_to_do(self) -> None:
+        """At the end: a run resumed at or past --steps says it had nothing to do."""
+        start, steps = self.run_dir.start_step, self.args.steps
+        if start >= steps:
+            self.logger.print(f"{self.run_dir.resume_from} is already at step {start} of {steps}: nothing to do "
+                              f"(--steps trains further)")

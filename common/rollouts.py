@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common.data import PromptSampler
+from common.data import PromptSampler, load_train_eval, tokenize_prompts
 from common.distributed import (all_reduce_sum, decided_by_rank0, finish_distributed, max_over_ranks,
                                 raise_on_all_ranks)
 from common.engines import NonFiniteLogits, make_rollout_engine, resolve_engine_kind
@@ -33,7 +33,7 @@ from common.logger import StageTimer
 from common.logprobs import use_packed_attention
 from common.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
 from common.perf import memory_in_use
-from common.rewards import RewardScorer
+from common.rewards import RewardScorer, load_reward_fn
 from common.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested
 from common.split import (STOP, behaviour_version, check_shapes, close_link, eval_versions, load_into_module,
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
@@ -73,6 +73,23 @@ def check_rollout_args(args, num_trainers: int) -> None:
                          f"{args.rollout_ranks}")
     if args.async_rollout and not args.rollout_ranks:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
+    load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
+
+
+def load_prompts(args, tokenizer) -> tuple[list[dict], list[dict], list[str]]:
+    """Collective. (train rows, held-out rows, notes to print): the prompts of --dataset with the answers the
+    reward checks, tokenized as the model will see them; a reward that cannot score the data's own answers stops
+    the run here, in one line."""
+    train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
+                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
+    check_reward_fits(args, eval_rows)
+    formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, *formats)
+    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, *formats)
+    return train_rows, eval_rows, [
+        f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} longer than "
+        f"--max-prompt-len {args.max_prompt_len}",
+        f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}"]
 
 
 def check_reward_fits(args, rows: list[dict], sample: int = 64) -> None:
@@ -157,6 +174,7 @@ class Rollouts:
                     f"{args.rollout_gpu_memory:.0%} of the GPU"
                 logger.print(f"vLLM: {memory}, sleep level {self.engine.sleep_level}")
             self._sleep()  # until the first rollout: loading a training state needs the memory
+            install_stop_handlers()  # again: the engine may have set handlers of its own
         use_packed_attention(policy, device)  # training runs on packed rows
         self.arrived_evals = {}  # split: evaluations received from the rollout ranks, not logged yet
         self.synced_version = -1  # the policy version the colocated engine holds

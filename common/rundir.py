@@ -42,6 +42,8 @@ class RunDir:
     path: str
     resume_from: str | None  # the state directory to continue from, or None
     notes: list[str] = field(default_factory=list)  # what rank 0 found and decided, to print once
+    start_step: int = 0  # the step the resumed state was saved at (0: a fresh run)
+    saved: dict = field(default_factory=dict)  # the resumed state's extras (W&B run id, the script's own)
 
 
 def default_run_name(script: str, given: dict) -> str:
@@ -97,7 +99,8 @@ def open_run_dir(script: str, given: dict, resolved: dict, fixed: tuple[str, ...
 
     decided = decided_by_rank0("run_dir", decide)
     errors.record_reports_in(path)
-    return RunDir(name, path, decided["resume_from"], decided["notes"])
+    resumed = read_trainer_state(decided["resume_from"]) if decided["resume_from"] else {"step": 0, "extra": {}}
+    return RunDir(name, path, decided["resume_from"], decided["notes"], resumed["step"], resumed["extra"])
 
 
 def _lock(path: str) -> None:

@@ -26,7 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.distributed import init_distributed, launch_store, use_store
+from common.distributed import init_distributed, launch_store, quiet_libraries, use_store
+from common.signals import install_stop_handlers
 from sharding.vllm_sync import buckets, hf_name, num_bytes
 
 
@@ -55,11 +56,16 @@ class Placement:
 
 def init_placement(num_rollout: int) -> tuple[Placement, torch.device]:
     """Collective over every process torchrun started: with num_rollout 0 one world where every rank trains and
-    generates; else the split worlds below."""
+    generates; else the split worlds below. Then SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop
+    (common/signals.py), and libraries log warnings only."""
     if num_rollout:
-        return init_split(num_rollout)
-    rank, world, device = init_distributed()
-    return Placement("colocated", rank, world, world, 0), device
+        placement, device = init_split(num_rollout)
+    else:
+        rank, world, device = init_distributed()
+        placement = Placement("colocated", rank, world, world, 0)
+    install_stop_handlers()
+    quiet_libraries()
+    return placement, device
 
 
 def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, torch.device]:
