@@ -70,7 +70,8 @@ CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "loss/kl": "k
                 "response/length_mean": "len", "rollout/logprob_diff": "lp_diff", "sync/gb_per_s": "sync_GB/s",
                 "batch/padding_frac": "pad", "perf/tokens_per_s": "tok/s", "perf/mfu": "mfu",
                 "perf/peak_memory_gb": "mem_GB", "rollout/staleness_mean": "stale", "tis/weight_mean": "tis",
-                "eval/accuracy": "eval_acc"}
+                "loss/preference": "loss", "kto/kl": "kl", "eval/accuracy": "eval_acc",
+                "eval/preference_accuracy": "eval_pref", "eval/label_accuracy": "eval_label"}
 
 
 def keep_rows_through(path: str, last_step: int) -> list[dict]:

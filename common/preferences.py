@@ -1,4 +1,5 @@
-"""Preference pairs for DPO: load (prompt, chosen, rejected) triples and tokenize them into id lists.
+"""Preference data for DPO and KTO: load (prompt, chosen, rejected) pairs or unpaired (prompt, completion, label)
+rows, and tokenize them into id lists.
 
 A pair is a prompt and two responses to it: the one people preferred (chosen) and the other (rejected).
 Files hold pairs in one of two layouts: explicit prompt/chosen/rejected columns, or only chosen/rejected whole
@@ -6,11 +7,16 @@ dialogues that share every turn but the last reply (HH-RLHF), whose prompt is th
 the turn boundary where that reply starts. Values are strings, or conversations (lists of {"role", "content"}
 messages) which stay lists until the tokenizer's chat template renders them. Tokenized, a pair is three id lists:
 the prompt's, and each response's alone (without the prompt), ending in a stop token so the model learns to stop.
+KTO's unpaired rows have one completion and a label (true: desirable); pairs become two such rows (chosen desirable,
+rejected undesirable), so one file trains either loss.
 """
 
 import os
 
-from common.data import _first_line, _is_local_file, _read_hub, _read_local_file, check_table
+import torch
+
+from common.data import DEFAULT_EVAL_SIZE, _first_line, _is_local_file, _read_hub, _read_local_file, check_table
+from common.synthetic import make_synthetic_pairs
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
 ASSISTANT_MARKER = "\n\nAssistant:"
@@ -149,9 +155,11 @@ def tokenize_pairs(
     use_chat_template: bool | None = None,
     max_prompt_len: int | None = None,
     stop_ids: list[int] | None = None,
+    responses: tuple[str, ...] = ("chosen", "rejected"),
 ) -> tuple[list[dict], dict]:
     """(rows, stats): rows of {"prompt_ids", "chosen_ids", "rejected_ids"} (lists of ints; the responses' ids exclude
-    the prompt), each prompt + response at most max_len tokens.
+    the prompt), each prompt + response at most max_len tokens. `responses` names the response keys: ("completion",)
+    tokenizes KTO's unpaired rows into {"prompt_ids", "completion_ids", "label"} (the label kept as it was).
 
     Strings: the prompt is tokenized alone (with the tokenizer's special tokens, e.g. BOS) and each response alone
     without special tokens; the row is their concatenation. Tokenizing prompt + response as one text could merge
@@ -194,25 +202,24 @@ def tokenize_pairs(
         raise ValueError(f"use_chat_template=True but tokenizer {name!r} has no chat_template")
 
     if use_chat_template:
-        prompts, chosen, rejected = _tokenize_with_template(pairs, tokenizer)
+        prompts, *sides = _tokenize_with_template(pairs, tokenizer, responses)
     else:
         prompts = tokenizer([pair["prompt"] for pair in pairs], add_special_tokens=True)["input_ids"]
-        chosen = tokenizer([pair["chosen"] for pair in pairs], add_special_tokens=False)["input_ids"]
-        rejected = tokenizer([pair["rejected"] for pair in pairs], add_special_tokens=False)["input_ids"]
+        sides = [tokenizer([pair[side] for pair in pairs], add_special_tokens=False)["input_ids"] for side in responses]
 
     stops = set(stop_ids or [tokenizer.eos_token_id])
     rows, stats = [], {"pairs": len(pairs), "truncated": 0, "too_long": 0, "identical": 0}
-    for prompt_ids, chosen_ids, rejected_ids in zip(prompts, chosen, rejected):
-        whole = (list(prompt_ids), end_at_stop(list(chosen_ids), stops, tokenizer.eos_token_id),
-                 end_at_stop(list(rejected_ids), stops, tokenizer.eos_token_id))
-        prompt_ids, chosen_ids, rejected_ids = truncate_pair(*whole, max_len, max_prompt_len)
-        if not chosen_ids:  # both responses are cut to the same room: both are empty
+    for pair, prompt_ids, *response_ids in zip(pairs, prompts, *sides):
+        whole = (list(prompt_ids), *(end_at_stop(list(ids), stops, tokenizer.eos_token_id) for ids in response_ids))
+        cut = truncate_pair(whole[0], whole[1:], max_len, max_prompt_len)
+        if not cut[1]:  # every response is cut to the same room: all are empty
             stats["too_long"] += 1
-        elif chosen_ids == rejected_ids:
+        elif len(cut) == 3 and cut[1] == cut[2]:
             stats["identical"] += 1
         else:
-            stats["truncated"] += (prompt_ids, chosen_ids, rejected_ids) != whole
-            rows.append({"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+            stats["truncated"] += cut != whole
+            rows.append({"prompt_ids": cut[0], **{f"{side}_ids": ids for side, ids in zip(responses, cut[1:])},
+                         **({"label": pair["label"]} if "label" in pair else {})})
     if not rows:
         raise ValueError(f"all {len(pairs)} pairs were dropped: {stats['too_long']} left no room for a response "
                          f"within max_len={max_len} (max_prompt_len={max_prompt_len}), {stats['identical']} had "
@@ -220,7 +227,7 @@ def tokenize_pairs(
     return rows, stats
 
 
-def _tokenize_with_template(pairs: list[dict], tokenizer) -> tuple[list, list, list]:
+def _tokenize_with_template(pairs: list[dict], tokenizer, responses: tuple[str, ...]) -> tuple[list, ...]:
     """Prompt ids and each side's response ids, the response being the whole dialogue's ids after the prompt's."""
     def render(conversations, add_generation_prompt):
         try:  # transformers 5 returns a BatchEncoding by default; return_dict=False gives plain lists of ids
@@ -231,16 +238,16 @@ def _tokenize_with_template(pairs: list[dict], tokenizer) -> tuple[list, list, l
 
     conversations = [_as_messages(pair["prompt"], "user") for pair in pairs]
     prompts = render(conversations, add_generation_prompt=True)
-    responses = {}
-    for side in ("chosen", "rejected"):
+    ids_of = {}
+    for side in responses:
         whole = render([c + _as_messages(p[side], "assistant") for c, p in zip(conversations, pairs)], False)
         for index, (prompt_ids, ids) in enumerate(zip(prompts, whole)):
             if list(ids[:len(prompt_ids)]) != list(prompt_ids):
                 raise ValueError(f"pair {index}: the chat template does not render the prompt (with "
                                  f"add_generation_prompt=True) as the start of the dialogue with its {side} "
                                  f"response, so the response cannot be cut out as what follows it")
-        responses[side] = [ids[len(prompt_ids):] for prompt_ids, ids in zip(prompts, whole)]
-    return prompts, responses["chosen"], responses["rejected"]
+        ids_of[side] = [ids[len(prompt_ids):] for prompt_ids, ids in zip(prompts, whole)]
+    return prompts, *(ids_of[side] for side in responses)
 
 
 def end_at_stop(response_ids: list[int], stop_ids: set[int], eos_id: int) -> list[int]:
@@ -249,13 +256,96 @@ def end_at_stop(response_ids: list[int], stop_ids: set[int], eos_id: int) -> lis
     return response_ids + [eos_id] if last is None else response_ids[: last + 1]
 
 
-def truncate_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_len: int,
-                  max_prompt_len: int) -> tuple[list[int], list[int], list[int]]:
-    """The pair cut so that prompt + each response fits max_len (see tokenize_pairs); unchanged if it fits.
-    Both responses come back empty when the kept prompt leaves no room."""
-    longest = max(len(chosen_ids), len(rejected_ids))
+def truncate_pair(prompt_ids: list[int], responses: tuple[list[int], ...], max_len: int,
+                  max_prompt_len: int) -> tuple[list[int], ...]:
+    """(prompt ids, *response ids) cut so that prompt + each response fits max_len (see tokenize_pairs); unchanged
+    if it fits. The responses come back empty when the kept prompt leaves no room."""
+    longest = max(len(ids) for ids in responses)
     if len(prompt_ids) + longest <= max_len:
-        return prompt_ids, chosen_ids, rejected_ids
+        return (prompt_ids, *responses)
     keep = max(max_len - longest, min(len(prompt_ids), max_prompt_len))
     room = max(0, max_len - keep)
-    return prompt_ids[len(prompt_ids) - keep:], chosen_ids[:room], rejected_ids[:room]
+    return (prompt_ids[len(prompt_ids) - keep:], *(ids[:room] for ids in responses))
+
+
+def load_unpaired(dataset: str, prompt_key: str = "prompt", completion_key: str = "completion",
+                  label_key: str = "label", config: str | None = None, split: str = "train") -> tuple[list[dict], dict]:
+    """(rows, stats): KTO's unpaired rows {"prompt", "completion", "label"} (label: bool, true = desirable) from a
+    local file or a hub dataset with those columns; strings or conversations, as load_pairs reads them."""
+    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
+    check_table(table, [prompt_key, completion_key, label_key], dataset)
+    rows, stats = [], {"rows": len(table), "empty_response": 0}
+    for index, (prompt, completion, label) in enumerate(zip(table[prompt_key], table[completion_key],
+                                                             table[label_key])):
+        where = f"{dataset}: row {index}"
+        if not isinstance(label, bool):
+            raise ValueError(f"{where} column {label_key!r}: must be true or false, got {label!r}")
+        completion = _check_value(completion, f"{where} column {completion_key!r}")
+        pair = _same_form(_check_value(prompt, f"{where} column {prompt_key!r}"), completion, completion)
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": label})
+    return rows, stats
+
+
+def has_columns(dataset: str, columns: list[str], config: str | None = None, split: str = "train") -> bool:
+    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
+    return all(column in table.column_names for column in columns)
+
+
+def unpair(rows: list[dict]) -> list[dict]:
+    """Tokenized pairs -> KTO's unpaired rows: the chosen response desirable, the rejected one undesirable."""
+    return [{"prompt_ids": row["prompt_ids"], "completion_ids": row[side], "label": side == "chosen_ids"}
+            for row in rows for side in ("chosen_ids", "rejected_ids")]
+
+
+def add_kl_partners(rows: list[dict], max_len: int, seed: int) -> list[dict]:
+    """Each unpaired row gets "kl_ids": the completion of another row, to another prompt, cut to fit max_len after
+    this row's prompt. The policy's and the reference's log-probs of such mismatched pairs estimate KL(policy ||
+    reference), KTO's reference point. Partners come from a seeded permutation (the next row in it with another
+    prompt), so they are fixed for the run and the reference log-probs of both can be cached."""
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    position = {index: k for k, index in enumerate(order)}
+    for i, row in enumerate(rows):
+        k = position[i]
+        partner = next((rows[order[(k + d) % len(rows)]] for d in range(1, len(rows))
+                        if rows[order[(k + d) % len(rows)]]["prompt_ids"] != row["prompt_ids"]), row)
+        row["kl_ids"] = partner["completion_ids"][:max(1, max_len - len(row["prompt_ids"]))]
+    return rows
+
+
+def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[dict], dict]:
+    """Offline data of dpo.py: (train rows, held-out rows, stats). Train rows are tokenized pairs {"prompt_ids",
+    "chosen_ids", "rejected_ids"}, or with --loss-type kto unpaired rows {"prompt_ids", "completion_ids", "label",
+    "kl_ids"} (from an unpaired file, or split from pairs). Held-out rows are pairs wherever the data has them
+    (preference accuracy compares the two responses), else unpaired rows. They are a hub dataset's --eval-split, or
+    the last --eval-size rows of a local file; --dataset unset: the built-in task's pairs."""
+    kto = args.loss_type == "kto"
+    keys = (args.prompt_key, args.completion_key, args.label_key)
+
+    def read(split):  # (rows, stats, unpaired?) of one split
+        if args.dataset is None:
+            return make_synthetic_pairs(split), {}, False
+        if has_columns(args.dataset, list(keys[1:]), args.dataset_config, split):
+            if not kto:
+                raise ValueError(f"{args.dataset}: unpaired rows ({keys[1]!r}, {keys[2]!r}) train --loss-type kto; "
+                                 f"the other losses need pairs ({args.chosen_key!r}, {args.rejected_key!r})")
+            return *load_unpaired(args.dataset, *keys, args.dataset_config, split), True
+        return *load_pairs(args.dataset, args.prompt_key, args.chosen_key, args.rejected_key, args.dataset_config,
+                           split), False
+
+    if args.dataset is None or not _is_local_file(args.dataset) and args.eval_split is not None:
+        (train, stats, unpaired), (held_out, _, _) = read("train"), read(args.eval_split or "test")
+    else:  # a local file: its last --eval-size rows
+        rows, stats, unpaired = read("train")
+        size = args.eval_size or max(1, min(DEFAULT_EVAL_SIZE, len(rows) // 10))
+        if size >= len(rows):
+            raise ValueError(f"{args.dataset}: --eval-size {size} leaves none of its {len(rows)} rows for training")
+        train, held_out = rows[:-size], rows[-size:]
+    held_out = held_out[:args.eval_size or DEFAULT_EVAL_SIZE]
+    tokenize = lambda rows: tokenize_pairs(rows, tokenizer, args.max_len, args.chat_template, args.max_prompt_len,
+                                           stop_ids, ("completion",) if unpaired else ("chosen", "rejected"))
+    (rows, token_stats), (eval_rows, _) = tokenize(train), tokenize(held_out)
+    if kto:
+        rows = add_kl_partners(rows if unpaired else unpair(rows), args.max_len, args.seed)
+        if unpaired:
+            eval_rows = add_kl_partners(eval_rows, args.max_len, args.seed)
+    return rows, eval_rows, {**stats, **token_stats}

@@ -328,12 +328,13 @@ class Checkpoints:
 
     def export(self, step: int) -> None:
         """HF-format models in <output_dir>/hf_step_<step>/ at --save-every and at the last step."""
+        probes = {"probes": self.probes} if self.probes else {}  # texts the saved tokenizer must encode the same
         if self.args.save_every and step % self.args.save_every == 0 or step == self.args.steps:
             with self.timer("save"), self.on_gpu():
                 for subdir, model in self.exports.items():
                     save_hf_checkpoint(model, self.tokenizer, os.path.join(self.run_dir.path, f"hf_step_{step}",
                                                                            subdir),
-                                       checkpoint_dtype(self.args.model), probes=self.probes)
+                                       checkpoint_dtype(self.args.model), **probes)
 
     def save(self, step: int, stop: bool, extra: dict | None = None) -> None:
         """A resumable training state at --save-state-every, at the last step and on a stop (then says how to go on);

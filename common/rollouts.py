@@ -19,6 +19,8 @@ algorithm, in the script), then `rollouts.publish(step, stop)` and `rollouts.eva
 
 import collections
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,58 @@ from common.split import (STOP, behaviour_version, check_shapes, close_link, eva
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
                           staleness_metrics, stop_rollout_ranks, weight_versions)
 from sharding.vllm_sync import trainer_weights, weight_shapes
+
+
+@dataclass
+class RolloutArgs:
+    """The rollout flags every script shares (grpo.py, ppo.py, dpo.py --online): each script's Args extends it."""
+    reward_workers: int | None = None
+    """processes per rank that run the reward, scoring each prompt's responses as soon as they are generated, while
+    the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response at once)"""
+    reward_timeout: float | None = 30.0
+    """seconds one reward call may take: a slower one is stopped (its process killed and replaced), scores 0 and is
+    counted (reward/timeouts); None: no limit"""
+    skip_reward_check: bool = False
+    """do not stop when the reward scores fewer than 90% of the held-out rows' own gold answers as correct (for
+    rewards whose gold answers are not completions)"""
+    system_prompt: str | None = None
+    """a system message put before every prompt (without a chat template: a paragraph before it)"""
+    prompt_template: str | None = None
+    """a text holding {prompt}, which each prompt replaces before the chat template applies; e.g. for GSM8K:
+    '{prompt}\nLet us think step by step and output the final answer after ####.'"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature; DPO's are at 1)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm on GPUs when installed, else hf (the trained model's own generate, slow but runs anywhere)"""
+    rollout_tp: int = 1
+    """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
+    rollout_gpu_memory: float | None = None
+    """vLLM's memory. Unset: a KV cache that holds a step's sequences at once (a replica's prompts x --group-size, or
+    its held-out prompts, of up to --max-prompt-len + --max-response-len tokens; at most 40% of the GPU), as mapping
+    it back after each sleep takes about 1-5 ms per GB. Up to 1: vLLM's share of the GPU for weights and KV cache.
+    Above 1: GiB of KV cache. Sized in GiB (unset or above 1), vLLM skips its start-up memory profiling, which fails
+    when other processes on the GPU change their memory use meanwhile"""
+    rollout_eager: bool = False
+    """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
+    rollout_sleep_level: int | None = None
+    """what colocated vLLM frees while the trainer runs: 0 its KV cache only (its weights stay on the GPU and the sync
+    overwrites them in place: the fastest sync, for the memory of vLLM's weights); 1 its weights too, parked in CPU
+    memory; 2 its weights too, dropped (the sync maps them back empty and fills them). Unset: 0 while vLLM's weights
+    take at most 15% of the GPU, else 2 (benchmarks/README.md)"""
+    sync_bucket_mb: int = 512
+    """size of the buckets the trainer's weights are streamed to vLLM in"""
+    check_weight_sync: bool = False
+    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated)"""
+    rollout_ranks: int = 0
+    """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
+    trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
+    async_rollout: bool = False
+    """with --rollout-ranks: generate the next batch while the trainers train on this one (one update behind; GRPO
+    and PPO correct it with --tis-cap)"""
+    max_staleness: int = 1
+    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
 
 
 def fill_rollout_defaults(args) -> None:

@@ -37,6 +37,54 @@ _locks = {}  # directory -> its lock file, held open for the life of the process
 
 
 @dataclass
+class RunArgs:
+    """The flags every script shares (each script's Args extends it): the optimizer's fixed settings and memory
+    options, then the run itself: where it writes, how often it saves, how it resumes, when it counts as broken or
+    hung, and W&B."""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_beta2: float = 0.99
+    """AdamW's second-moment decay (0.999 is the usual default elsewhere)"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer in backward to save memory"""
+    compile: bool = False
+    """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
+    fused kernels, which small models gain most from; the first steps take longer while it compiles"""
+    save_every: int = 0
+    """write an HF-format checkpoint every this many steps; 0: only at the end"""
+    save_state_every: int = 50
+    """write a resumable training state (sharded model and optimizer, scheduler, data position, RNG) every this
+    many steps; 0: only at the end and on a stop signal (SIGTERM, SIGUSR1, Ctrl-C)"""
+    keep_checkpoints: int = 2
+    """resumable training states kept in the output dir (the newest); 0 keeps all"""
+    resume: str = "auto"
+    """auto: continue from the newest intact training state in the output dir, if any; none: start afresh (refused
+    where another run's files are, unless --overwrite); or the path of a state_<step> directory"""
+    overwrite: bool = False
+    """delete the run already in the output dir (its states, exports and metrics) and start afresh"""
+    max_bad_steps: int = 5
+    """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
+    hang_timeout: float | None = 1800.0
+    """seconds a rank may go without progress (one stage of a step, such as the rollout, the update or a save, or
+    the gap between two) before the run counts as hung: every rank writes its Python stacks to <output-dir>/hangs/,
+    one line names the stage, the step and the ranks elsewhere, and the run exits non-zero, for torchrun
+    --max-restarts or Slurm to restart it; None: wait for ever"""
+    output_dir: str | None = None
+    """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
+    run_name: str | None = None
+    """unset: <script>_<dataset>_s<seed>_<hash of the flags that define the run>, so that the same command resumes
+    its run and a changed one starts a new run (--steps, cadences, logging and memory flags are not in the hash)"""
+    seed: int = 1
+    """seed for the model init, data order and sampling"""
+    track: bool = False
+    """log to Weights & Biases (respects WANDB_MODE, e.g. offline)"""
+    wandb_project: str = "nanorl"
+    """W&B project"""
+
+
+@dataclass
 class RunDir:
     name: str
     path: str
