@@ -6,32 +6,26 @@ optional `on_finish(index, completions)` as soon as it is complete, to be scored
 `update_weights` (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights`
 (verify the last sync).
 `HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
-(CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_engine.py) is the real GPU path.
+(CPU, laptop, tests). `VLLMRolloutEngine` (common/vllm_engine.py) is the real GPU path; it imports vllm only when
+one is built, so this module imports anywhere. Both return `Completion`s (common/completion.py).
 """
 
 import contextlib
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common.completion import Completion
 from common.errors import user_error
+from common.vllm_engine import VLLMRolloutEngine
 
 
 @user_error
 class NonFiniteLogits(RuntimeError):
     """The policy's next-token probabilities are inf or NaN: its weights are broken (by a learning rate far too
     high, usually), and sampling cannot go on."""
-
-
-@dataclass
-class Completion:
-    response_ids: list[int]
-    logprobs: list[float] | None  # log-prob of each sampled token under the sampling distribution (after
-    # temperature); None where generate was called with logprobs=False
-    finished: bool  # ended on a stop token (False: cut at max_tokens)
 
 
 class HFRolloutEngine:
@@ -126,7 +120,6 @@ def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token
     if kind == "hf":
         return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
     if kind == "vllm":
-        from common.vllm_engine import VLLMRolloutEngine
         return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
                                  max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
                                  enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb,

@@ -1,13 +1,14 @@
 """Policy models: load one (hub id, local directory or the built-in tiny model), shard it with FSDP2,
 and compute the log-probs of given tokens, the quantity every RL loss here is built from."""
 
-import json
 import os
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from sharding.checkpoint import load_saved_tokenizer
 
 
 def check_model_source(model: str | None, flag: str = "--model") -> None:
@@ -30,14 +31,6 @@ def check_model_source(model: str | None, flag: str = "--model") -> None:
         raise ValueError(f"{flag} {model}: the directory has no weights (*.safetensors)")
 
 
-def saved_as_plain_backend(model: str) -> bool:
-    path = os.path.join(model, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        return json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def load_tokenizer(model: str | None):
     check_model_source(model)
     if model is None:
@@ -45,12 +38,7 @@ def load_tokenizer(model: str | None):
         tokenizer = build_tiny_tokenizer()
     else:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model)
-            if saved_as_plain_backend(model) and type(tokenizer).__name__ != "TokenizersBackend":
-                # Saved as a plain tokenizers pipeline (e.g. a word-level one), which AutoTokenizer would rebuild as
-                # the model type's own class (a qwen2 config gives Qwen2Tokenizer's BPE, splitting words into
-                # digits): load the pipeline as it was saved.
-                tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+            tokenizer = load_saved_tokenizer(model)  # as the HF export checks that its tokenizer reads back
         except (OSError, ValueError) as e:  # hub unreachable, unknown id: transformers' message runs to pages
             raise ValueError(f"--model {model}: could not load its tokenizer "
                              f"({' '.join(str(e).split())[:240]})") from e

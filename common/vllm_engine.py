@@ -14,6 +14,8 @@ What sleeping frees (sleep_level), and what the next sync then pays for (benchma
   None: 0 when vLLM's weights take at most 15% of the GPU's memory, else 2.
 Mapping memory back costs about 1-5 ms per GB, so the KV cache is sized by default to what a rollout needs
 (`kv_cache_gib`), not to a share of the GPU.
+vllm itself is imported inside the methods that use it: it is optional (GPU only), and common/engines.py imports
+this module on every machine.
 """
 
 import hashlib
@@ -23,8 +25,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
-from common.engines import Completion
+from common.completion import Completion
 from sharding.vllm_sync import check_weight_sync, sync_weights_to_vllm
 
 
@@ -76,7 +79,6 @@ class VLLMRolloutEngine:
         """
         if sleep_level not in (None, 0, 1, 2):
             raise ValueError(f"the rollout engine's sleep level is 0, 1 or 2, got {sleep_level}")
-        from transformers import AutoConfig
         from vllm import LLM
 
         rank, world = dist.get_rank(), dist.get_world_size()

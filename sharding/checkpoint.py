@@ -2,9 +2,9 @@
 
 Each parameter is gathered one at a time and offloaded to CPU (torch.distributed.checkpoint's full state dict with
 cpu_offload), so no GPU ever holds more than one full tensor; rank 0 writes safetensors, config and tokenizer, and
-checks that the tokenizer reads back, as our scripts load a --model (common.model.load_tokenizer), as the one that
-trained (transformers picks a tokenizer class by model type, which for some types ignores the saved tokenizer: the
-model would then load with other token ids).
+checks that the tokenizer reads back, as our scripts load a --model (`load_saved_tokenizer`, which
+common.model.load_tokenizer calls), as the one that trained (transformers picks a tokenizer class by model type, which
+for some types ignores the saved tokenizer: the model would then load with other token ids).
 """
 
 import json
@@ -14,16 +14,34 @@ import shutil
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from common.distributed import raise_on_all_ranks
+
+def saved_as_plain_backend(path: str) -> bool:
+    config = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_saved_tokenizer(path: str):
+    """The tokenizer of an HF model (hub id or directory), as it was saved. Defined here, beside the export that
+    must read back, and used by common.model.load_tokenizer, so that the check below loads as the scripts do."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if saved_as_plain_backend(path) and type(tokenizer).__name__ != "TokenizersBackend":
+        # Saved as a plain tokenizers pipeline (e.g. a word-level one), which AutoTokenizer would rebuild as the
+        # model type's own class (a qwen2 config gives Qwen2Tokenizer's BPE, splitting words into digits): load the
+        # pipeline as it was saved.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    return tokenizer
 
 
 def check_tokenizer_round_trip(tokenizer, path: str, probes: list[str]) -> None:
-    """Raises if the tokenizer saved in `path`, loaded as a --model's is (AutoTokenizer, or the saved pipeline where
-    AutoTokenizer would rebuild it as the model type's own class), encodes `probes` differently from `tokenizer`."""
-    from common.model import load_tokenizer
-
-    loaded = load_tokenizer(path)
+    """Raises if the tokenizer saved in `path`, loaded as a --model's is (load_saved_tokenizer: AutoTokenizer, or the
+    saved pipeline where AutoTokenizer would rebuild it as the model type's own class), encodes `probes` differently
+    from `tokenizer`."""
+    loaded = load_saved_tokenizer(path)
     for text in probes:
         if loaded(text)["input_ids"] != tokenizer(text)["input_ids"]:
             raise ValueError(f"the tokenizer saved in {path} loads back as {type(loaded).__name__}, which encodes "
@@ -52,8 +70,15 @@ def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str, dtype: torc
             json.dump(config, f, indent=2)
         try:
             check_tokenizer_round_trip(tokenizer, tmp, list(probes))
-        except ValueError as e:
+        except (OSError, ValueError) as e:  # it encodes differently, or transformers cannot read it back at all
             error = e
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-    raise_on_all_ranks(error)  # also the barrier: no rank goes on before the export is in place
+    # Every rank stops with rank 0's verdict, or the others would wait forever in their next collective. As a
+    # ValueError it is a user error (common/errors.py): one line, the same whichever rank gets to report it.
+    verdict = [None if error is None else str(error)]
+    dist.broadcast_object_list(verdict, src=0)  # also the barrier: no rank goes on before the export is in place
+    if error is not None:
+        raise error
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])

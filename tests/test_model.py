@@ -1,6 +1,12 @@
-"""common/model.py: a --model that cannot be a model is one clear line, before transformers guesses at it."""
+"""common/model.py: a --model that cannot be a model is one clear line, before transformers guesses at it; and the
+HF export's check that its tokenizer loads back as the scripts load a --model (sharding/checkpoint.py)."""
 
+import os
+
+import launcher
 import pytest
+import torch
+from gloo import finish_gloo, free_port, init_gloo
 
 from common.model import check_model_source
 
@@ -58,6 +64,50 @@ def test_export_tokenizer_check_reads_back_as_the_scripts_load(tmp_path):
     with pytest.raises(ValueError, match="encodes 'w100 w700 w999' differently"):
         check_tokenizer_round_trip(full_vocab_tokenizer(1000), str(tmp_path), ["w100 w700 w999"])
 
+
+
+class SavesAnotherTokenizer:
+    """Encodes with one word-level tokenizer and saves another (w700 unknown to it): an export whose tokenizer does
+    not read back."""
+
+    def __init__(self):
+        from scripts.random_model import full_vocab_tokenizer
+        self.encodes, self.saves = full_vocab_tokenizer(1000), full_vocab_tokenizer(500)
+
+    def __call__(self, text):
+        return self.encodes(text)
+
+    def save_pretrained(self, path):
+        self.saves.save_pretrained(path)
+
+
+def export_whose_tokenizer_does_not_read_back(rank, port, out_dir):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sharding.checkpoint import save_hf_checkpoint
+
+    init_gloo(rank, 2, port)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    try:
+        save_hf_checkpoint(model, SavesAnotherTokenizer(), os.path.join(out_dir, "hf"), torch.float32,
+                           probes=("w100 w700 w999",))
+        stopped = "nothing"
+    except Exception as e:  # noqa: BLE001 - which error each rank stops with is what the test looks at
+        stopped = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(stopped)
+    finish_gloo()
+
+
+def test_an_export_whose_tokenizer_does_not_read_back_stops_every_rank(tmp_path):
+    """Only rank 0 writes and checks the export; every rank must stop with its error (a user error, so whichever rank
+    reports it, the line is the same), or the others would wait in their next collective."""
+    launcher.spawn(export_whose_tokenizer_does_not_read_back, args=(free_port(), str(tmp_path)), nprocs=2)
+    stopped = [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
+    assert stopped[0].startswith("ValueError: the tokenizer saved in ") and "differently" in stopped[0]
+    assert stopped[1] == stopped[0]
+    assert (tmp_path / "hf" / "config.json").exists()  # the export is in place all the same, for a look at it
 
 def test_precision_auto_picks_fp32_below_0_3b_parameters(tmp_path):
     from transformers import Qwen2Config
