@@ -9,12 +9,11 @@ critic a clipped squared error, both normalised by the token count of the whole 
 
 Each step: rollout -> reward (rule and/or reward model) -> values and log-probs -> advantages (GAE, whitened) ->
 update critic and policy -> weight sync -> log -> checkpoint. Before the policy first moves, the critic warms up on
-the first batch until it explains enough of the returns' variance (--critic-warmup-ev): a fresh critic's values
-are noise, and the advantages made from them would push the policy at random. The math functions take
-right-padded [batch, seq] tensors over response tokens with a float mask (1 for a real token, 0 for padding).
-Where samples come from (colocated vLLM or split placement, async) is common/rollouts.py's business.
-Left out on purpose: adaptive KL control, a separate reward-model tokenizer's chat template (its text is
-re-tokenized as is), critic and policy sharing one body.
+the first batch until it explains enough of the returns' variance (--critic-warmup-ev): a fresh critic's values are
+noise, and advantages made from them would push the policy at random. The math functions take right-padded
+[batch, seq] tensors over response tokens with a float mask (1 for a real token, 0 for padding). Samples come from
+common/rollouts.py (colocated vLLM or split placement, async). Left out on purpose: adaptive KL control, a reward
+model's own chat template (its tokenizer re-tokenizes the text as is), a critic sharing the policy's body.
 
     torchrun --nproc_per_node 2 ppo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 ppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
@@ -27,28 +26,24 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
-from common.batching import batching_metrics, pad_rows, plan_equal_micro_batches, share_samples_evenly
-from common.data import load_train_eval, tokenize_prompts
-from common.distributed import finish_distributed, max_over_ranks, quiet_libraries, sum_over_ranks
+from common.batching import (batching_metrics, explained_variance, masked_whiten, mini_batches, pad_rows, padded,
+                             plan_equal_micro_batches, share_samples_evenly, token_mean_share)
+from common.distributed import finish_distributed, max_over_ranks, sum_over_ranks
 from common.errors import check_ranges, parse_args, run_main
-from common.health import health_report
-from common.logger import Logger, StageTimer
+from common.logger import start_logging
 from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths, use_packed_attention
-from common.model import checkpoint_dtype, load_model, load_tokenizer, shard_model
+from common.model import load_model, load_tokenizer, shard_model
 from common.offload import Offloader
-from common.optim import BadStepCounter, clip_and_step, make_optimizer, set_hyperparameters
-from common.perf import TrainingMemoryPeak, mfu, peak_flops
-from common.resume import load_training_state, prune_checkpoints, read_trainer_state, save_training_state
-from common.rewards import load_reward_fn
-from common.rollouts import (Rollouts, check_reward_fits, check_rollout_args, fill_rollout_defaults,
-                             mismatch_metrics, serve_rollouts)
+from common.optim import BadStepCounter, clip_and_step, make_optimizer
+from common.perf import StepPerf
+from common.resume import Checkpoints
+from common.rollouts import (Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts, mismatch_metrics,
+                             serve_rollouts)
 from common.rundir import open_run_dir
-from common.signals import crash_point, install_stop_handlers, stop_agreed, stop_requested
+from common.signals import stop_agreed
 from common.split import init_placement
 from common.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
-from sharding.checkpoint import save_hf_checkpoint
 
 
 @dataclass
@@ -57,8 +52,7 @@ class Args:
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """HF hub dataset name or a local .jsonl/.json/.parquet/.csv file (also compressed, e.g. .jsonl.gz); unset: the
-    built-in synthetic task"""
+    """HF hub dataset or a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz); unset: the built-in task"""
     dataset_config: str | None = None
     """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
     prompt_key: str = "prompt"
@@ -78,9 +72,8 @@ class Args:
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response cut at --max-response-len (it never reached a stop token)"""
     reward_workers: int | None = None
-    """processes per rank that run the reward function, scoring each prompt's responses as soon as they are
-    generated, while the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response
-    at once)"""
+    """processes per rank that run the reward, scoring each prompt's responses as soon as they are generated, while
+    the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response at once)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
     system_prompt: str | None = None
@@ -99,17 +92,15 @@ class Args:
     """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
     rollout_gpu_memory: float | None = None
     """vLLM's memory. Unset: a KV cache that holds a step's sequences at once (a replica's prompts x --group-size, or
-    its held-out prompts, of up to --max-prompt-len + --max-response-len tokens; at most 40% of the GPU), as mapping
-    it back after each sleep takes about 1-5 ms per GB. Up to 1: vLLM's share of the GPU for weights and KV cache.
-    Above 1: GiB of KV cache. Sized in GiB (unset or above 1), vLLM skips its start-up memory profiling, which fails
-    when other processes on the GPU change their memory use meanwhile"""
+    its held-out prompts, at full length; at most 40% of the GPU), as mapping it back after each sleep costs 1-5 ms
+    per GB. Up to 1: vLLM's share of the GPU for weights and KV cache. Above 1: GiB of KV cache. Unset or in GiB,
+    vLLM skips its start-up memory profiling, which fails when other processes on the GPU change their memory use"""
     rollout_eager: bool = False
     """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
     rollout_sleep_level: int | None = None
-    """what colocated vLLM frees while the trainer runs: 0 its KV cache only (its weights stay on the GPU and the sync
-    overwrites them in place: the fastest sync, for the memory of vLLM's weights); 1 its weights too, parked in CPU
-    memory; 2 its weights too, dropped (the sync maps them back empty and fills them). Unset: 0 while vLLM's weights
-    take at most 15% of the GPU, else 2 (benchmarks/README.md)"""
+    """what colocated vLLM frees while the trainer runs: 0 its KV cache only (the sync overwrites its weights in place:
+    fastest, for the memory of vLLM's weights); 1 its weights too, parked in CPU memory; 2 its weights too, dropped
+    (the sync refills them). Unset: 0 while vLLM's weights take at most 15% of the GPU, else 2 (benchmarks/README.md)"""
     sync_bucket_mb: int = 512
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False
@@ -118,8 +109,7 @@ class Args:
     """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
     trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
     async_rollout: bool = False
-    """with --rollout-ranks: generate the next batch while the trainers train on this one (off-policy by up to
-    --max-staleness updates, corrected with --tis-cap)"""
+    """with --rollout-ranks: generate the next batch while the trainers train on this one (corrected by --tis-cap)"""
     max_staleness: int = 1
     """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
     prompts_per_step: int = 64
@@ -167,8 +157,7 @@ class Args:
     clip_high: float = 0.2
     """PPO ratio clip above: ratio <= 1 + clip_high"""
     value_clip: float | None = 0.5
-    """the critic's values may move at most this far from their rollout-time values per update (clipped value
-    loss); None: unclipped"""
+    """clipped value loss: the critic's values move at most this far from their rollout-time values; None: unclipped"""
     entropy_coef: float = 0.0
     """weight of an entropy bonus in the policy loss"""
     critic_warmup_ev: float = 0.5
@@ -183,9 +172,8 @@ class Args:
     max_tokens_per_micro_batch: int = 16384
     """token budget of one forward/backward pass: sequences are packed end to end (no padding) up to this many"""
     tis_cap: float | None = None
-    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) to correct for the
-    rollout engine's numerical mismatch and, with --async-rollout, its older weights; unset: off, or 2 with
-    --async-rollout"""
+    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) against the rollout
+    engine's numerical mismatch and its older weights with --async-rollout; unset: off, or 2 with --async-rollout"""
     logprob_diff_every: int = 10
     """measure rollout/logprob_diff (how far the rollout engine's log-probs of the sampled tokens are from the
     trainer's) on the first step and every this many after (0: never); vLLM's per-token bookkeeping of its log-probs
@@ -197,8 +185,7 @@ class Args:
     until their pass, and each optimizer's moments until its update (one copy in and out per phase; the policy's
     weights stay for rollouts and syncs). What lets the 1.5B shape train on an 80 GB GPU: benchmarks/README.md"""
     compile: bool = False
-    """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
-    fused kernels, which small models gain most from; the first steps take longer while it compiles"""
+    """torch.compile each decoder layer (dynamic shapes, for packed rows): fused kernels, most gain for small models"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides (their
     log-probs agree to 0.002 per token against 0.04; on SmolLM2-135M, PPO reached 0.72 held-out accuracy on addition
@@ -225,10 +212,9 @@ class Args:
     max_bad_steps: int = 5
     """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
     hang_timeout: float | None = 1800.0
-    """seconds a rank may go without progress (one stage of a step, such as the rollout, the update or a save, or
-    the gap between two) before the run counts as hung: every rank writes its Python stacks to <output-dir>/hangs/,
-    one line names the stage, the step and the ranks elsewhere, and the run exits non-zero, for torchrun
-    --max-restarts or Slurm to restart it; None: wait for ever"""
+    """seconds a rank may go without progress (one stage of a step, or the gap between two) before the run counts as
+    hung: every rank writes its Python stacks to <output-dir>/hangs/, one line names the stage, the step and the ranks
+    elsewhere, and the run exits non-zero, for torchrun --max-restarts or Slurm to restart it; None: wait for ever"""
     output_dir: str | None = None
     """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
     run_name: str | None = None
@@ -269,19 +255,13 @@ def check_args(args: Args, world: int) -> None:
                          f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The math: per-token rewards, GAE, whitening, the two losses.
-
 @torch.no_grad()
 def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
-    """Per-token rewards: -kl_coef * KL on every response token, plus the score on each row's last real token.
-
-    scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq]. The KL is k1, logprobs - ref_logprobs, as in
-    Ouyang et al.: summed over a sampled response it is an unbiased estimate of the sequence's KL, which the return
-    then carries back to every earlier token. The last real token is where the episode ends, whether the response
-    stopped at EOS or was cut at the length limit; a row with no response tokens gets no score.
-    ref_logprobs None: no KL term (kl is zeros). Returns (rewards, kl), both [batch, seq], 0 on padding.
-    """
+    """Per-token rewards: -kl_coef * KL on every response token, plus the score on each row's last real token, where
+    the episode ends (at EOS or at the length limit). scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq].
+    The KL is k1, logprobs - ref_logprobs, as in Ouyang et al.: summed over a sampled response it is an unbiased
+    estimate of the sequence's KL, which the return carries back to every earlier token. ref_logprobs None: no KL
+    term (kl is zeros). Returns (rewards, kl), both [batch, seq], 0 on padding."""
     kl = torch.zeros_like(mask) if ref_logprobs is None else torch.where(mask > 0, logprobs - ref_logprobs, 0.0)
     rewards = -kl_coef * kl
     lengths = mask.sum(-1).long()  # right padding: the last real token sits at lengths - 1
@@ -293,17 +273,13 @@ def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
 @torch.no_grad()
 def gae(rewards, values, mask, gamma: float, lam: float):
     """Generalised advantage estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438), per row.
-
     rewards, values, mask: [batch, seq]; values[:, t] is V of the state before response token t. Backwards from
     the end: delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where V and A after
-    the last real token are 0 (the episode ends there). A padded position leaves the running V_{t+1} and A_{t+1}
-    as they were, so nothing of it (whatever its value or reward) reaches a real token.
-    Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding.
-    """
+    the last real token are 0. A padded position leaves the running V_{t+1} and A_{t+1} as they were, so nothing of
+    it reaches a real token. Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding."""
     real = mask > 0  # torch.where, not multiplying by the mask: a NaN in a padded value stays out too
     advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])  # [batch]
-    next_advantage = torch.zeros_like(rewards[:, 0])
+    next_value = next_advantage = torch.zeros_like(rewards[:, 0])  # [batch]
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lam * next_advantage
@@ -313,47 +289,10 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, torch.where(real, advantages + values, 0.0)
 
 
-@torch.no_grad()
-def masked_mean_var(x, mask):
-    """Mean and biased variance (divide by N) of x over the real tokens of every rank, as float64 scalars.
-
-    One all_reduce of (sum, sum of squares, count) when torch.distributed is initialised; this rank alone if not.
-    A batch with no real tokens anywhere gives mean 0 and variance 0.
-    """
-    real = mask > 0
-    x = torch.where(real, x.double(), 0.0)  # float64 before squaring: x may be bf16
-    stats = torch.stack([x.sum(), (x * x).sum(), real.sum().double()])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats)
-    total, total_sq, count = stats.unbind()
-    count = count.clamp(min=1)
-    mean = total / count
-    return mean, (total_sq / count - mean * mean).clamp(min=0)  # E[x^2] - E[x]^2 in float64; rounding can go < 0
-
-
-@torch.no_grad()
-def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
-    """(x - mean) / std over the real tokens of all data-parallel ranks; 0 on padding. x, mask: [batch, seq].
-
-    The variance is the biased one (divide by N, see masked_mean_var), so the real tokens of the result have mean 0
-    and biased std 1 (up to eps). verl whitens with the unbiased variance of each rank's own batch; here every rank
-    whitens with the same global statistics, so the advantages do not depend on how the batch is split over ranks
-    (at N in the thousands the two variances differ by a factor N / (N - 1)). shift_mean=False keeps the mean and
-    scales only the spread, (x - mean) / std + mean, as verl and TRL do.
-    """
-    mean, var = masked_mean_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask > 0, whitened, 0.0).to(x.dtype)
-
-
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
     """PPO's clipped surrogate per token: max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), r = pi / pi_old.
-
     All [batch, seq]. Returns (token_loss, clipped), clipped where the clipped branch is the larger: those tokens
-    pass no gradient. Separate low / high bounds as in DAPO (https://arxiv.org/abs/2503.14476); equal is PPO's.
-    """
+    pass no gradient. Separate low / high bounds as in DAPO (https://arxiv.org/abs/2503.14476); equal is PPO's."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -362,72 +301,31 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: 
 
 def value_loss(values, old_values, returns, value_clip: float | None):
     """The critic's clipped squared error per token: 0.5 * max((v - R)^2, (old_v + clip(v - old_v, +-c) - R)^2).
-
-    All [batch, seq]; old_values are the critic's values at rollout time. As with the policy's clip, the max takes
-    the larger error, so the critic gains nothing from moving more than value_clip away from its rollout values.
-    Returns (token_loss, clipped), clipped where the clipped branch is the larger (no gradient through it).
-    value_clip None: the plain 0.5 * (v - R)^2, nothing clipped.
-    """
+    All [batch, seq]; old_values: the critic's at rollout time. As with the policy's clip, the max takes the larger
+    error, so the critic gains nothing from moving more than value_clip away from its rollout values. Returns
+    (token_loss, clipped), clipped where the clipped branch is the larger (no gradient). value_clip None: unclipped."""
     unclipped = (values - returns) ** 2
     if value_clip is None:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
-    clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-    clipped = (clipped_values - returns) ** 2
+    clipped = (old_values + torch.clamp(values - old_values, -value_clip, value_clip) - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def token_mean_share(token_loss, mask, num_tokens: float):
-    """This micro-batch's share of the mini-batch's token mean: sum(token_loss * mask) / num_tokens.
-
-    num_tokens counts the real tokens of the whole mini-batch over all ranks and micro-batches, so the shares of
-    all micro-batches of all ranks add up to the mini-batch mean whatever the split. (FSDP averages gradients over
-    ranks: backward on share * world.) A mean per micro-batch instead weighs the tokens of a short micro-batch
-    more and changes the effective learning rate with the split: verl's critic loss once did.
-    """
-    return (token_loss * mask).sum() / num_tokens
-
-
-@torch.no_grad()
-def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over the real tokens of all ranks: 1 for a perfect critic, 0 for one that predicts
-    the mean return everywhere, negative for one worse than that. values, returns, mask: [batch, seq].
-
-    Biased variances, as masked_whiten. When the returns do not vary (Var[R] <= 1e-8, or no real tokens), the
-    ratio means nothing: 1.0 if the critic is exact there too (Var[R - V] <= 1e-8), else 0.0, as scikit-learn's
-    explained_variance_score does; never NaN, so a logged curve has no holes.
-    """
-    _, var_returns = masked_mean_var(returns, mask)
-    _, var_residual = masked_mean_var(returns - values, mask)
-    if var_returns <= 1e-8:
-        return 1.0 if var_residual <= 1e-8 else 0.0
-    return float(1 - var_residual / var_returns)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# One step's pieces: scores, advantages, the two updates.
-
 def add_scores(samples: list[dict], args: Args, reward_model, rm_tokenizer, tokenizer, device) -> None:
-    """Collective (the reward model): each sample's sequence score, which lands on its last response token: the rule
-    reward, plus the reward model's score, minus --missing-eos-penalty for a response cut at the length limit."""
-    model_scores = [0.0] * len(samples)
-    if reward_model is not None:
-        model_scores = reward_model_scores(reward_model, rm_tokenizer, tokenizer, samples,
-                                           args.max_tokens_per_micro_batch, device)
+    """Collective (the reward model): each sample's score, for its last token; a response cut short pays the penalty."""
+    model_scores = [0.0] * len(samples) if reward_model is None else reward_model_scores(
+        reward_model, rm_tokenizer, tokenizer, samples, args.max_tokens_per_micro_batch, device)
     for s, model_score in zip(samples, model_scores):
         s["model_score"] = model_score
         s["score"] = s["reward"] + model_score - args.missing_eos_penalty * (not s["finished"])
 
 
-def padded(samples: list[dict], key: str, device) -> torch.Tensor:
-    """The per-token values `key` of the samples as [n, longest response], right-padded with 0."""
-    return pad_rows([s[key] for s in samples]).to(device)
-
-
 def add_advantages(samples: list[dict], args: Args, device) -> None:
-    """Collective (whitening): per-token rewards (the score on the last token, minus the KL to the reference on
-    every token unless it is in the loss), GAE advantages and returns from the rollout-time values, and the
-    advantages whitened over every rank's tokens."""
-    mask = pad_rows([torch.ones(len(s["response_ids"])) for s in samples]).to(device)
+    """Collective (whitening): per-token rewards (with the KL unless --kl-in-loss), GAE advantages and returns from
+    the rollout-time values, and the advantages whitened over every rank's tokens."""
+    for s in samples:
+        s["mask"] = torch.ones(len(s["response_ids"]))  # 1 on every response token: the updates read it too
+    mask = padded(samples, "mask", device)
     kl_coef = 0.0 if args.kl_in_loss else args.kl_coef
     ref = padded(samples, "ref_logprobs", device) if "ref_logprobs" in samples[0] else None
     scores = torch.tensor([s["score"] for s in samples], device=device)
@@ -439,20 +337,10 @@ def add_advantages(samples: list[dict], args: Args, device) -> None:
         s["raw_advantages"], s["advantages"], s["returns"] = (x[i, :n].cpu() for x in (advantages, whitened, returns))
 
 
-def mini_batches(samples: list[dict], args: Args, generator):
-    """Each epoch, the samples shuffled with `generator` (None keeps their order) and cut into --num-mini-batches
-    parts: exactly that many on every rank, even where ranks hold different counts (tensor_split, not chunk)."""
-    for _ in range(args.epochs):
-        order = torch.randperm(len(samples), generator=generator) if generator is not None else torch.arange(len(samples))
-        for part in torch.tensor_split(order, args.num_mini_batches):
-            yield [samples[i] for i in part.tolist()]
-
-
 def update_critic(critic, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict:
-    """Clipped value regression towards the returns, one optimizer step per mini-batch; the loss is a token mean
-    over the whole mini-batch on all ranks (token_mean_share). Returns this rank's sums of its statistics."""
+    """Clipped value regression towards the returns, one optimizer step per mini-batch; returns this rank's sums."""
     sums = dict.fromkeys(["value_loss", "value_clipfrac", "critic_tokens", "critic_grad_norm", "critic_steps"], 0.0)
-    for mini in mini_batches(samples, args, generator):
+    for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
         num_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in mini)}, device)["t"]
         for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
             mbs = [mini[i] for i in mb]
@@ -479,7 +367,7 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     the k3 KL to the reference), one optimizer step per mini-batch, normalised like update_critic."""
     sums = dict.fromkeys(["policy_loss", "clipfrac", "approx_kl", "entropy", "policy_tokens", "grad_norm",
                           "opt_steps", "skipped"], 0.0)
-    for mini in mini_batches(samples, args, generator):
+    for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
         num_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in mini)}, device)["t"]
         for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
             mbs = [mini[i] for i in mb]
@@ -488,9 +376,8 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
                 (logprobs[0].sum() * 0.0).backward()
                 continue
             logprobs, entropy, mask = pad_rows(logprobs), pad_rows(entropy), padded(mbs, "mask", device)
-            old = padded(mbs, "old_logprobs", device)
-            token_loss, clipped = policy_loss(logprobs, old, padded(mbs, "advantages", device), args.clip_low,
-                                              args.clip_high)
+            old, advantages = padded(mbs, "old_logprobs", device), padded(mbs, "advantages", device)
+            token_loss, clipped = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high)
             if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
                 token_loss = token_loss * (old - padded(mbs, "logprobs", device)).exp().clamp(max=args.tis_cap)
             token_loss = token_loss - args.entropy_coef * entropy
@@ -513,16 +400,12 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     return sums
 
 
-def warm_up_critic(critic, optimizer, scheduler, samples: list[dict], args: Args, world: int,
-                   device) -> dict[str, float]:
-    """Before the policy first moves: the critic trains on this first batch, replayed, until its explained
-    variance on it reaches --critic-warmup-ev or --critic-warmup-steps runs out. The targets move with it (the
-    returns bootstrap from its values), so values, advantages and returns are recomputed after every update. These
-    are updates like any other: the critic's learning-rate schedule counts them (its warmup ramps over them)."""
-    ev, updates = None, 0
-    for updates in range(args.critic_warmup_steps + 1):
-        ev = explained_variance(padded(samples, "old_values", device), padded(samples, "returns", device),
-                                padded(samples, "mask", device))
+def warm_up_critic(critic, optimizer, scheduler, samples: list[dict], args: Args, world: int, device) -> dict:
+    """Before the policy first moves: the critic trains on this first batch, replayed, until its explained variance
+    on it reaches --critic-warmup-ev or --critic-warmup-steps runs out. The returns bootstrap from its values, so
+    they and the advantages are recomputed after every update; its learning-rate schedule counts these updates."""
+    for updates in range(args.critic_warmup_steps + 1):  # at least once: ev and updates are always set
+        ev = explained_variance(*(padded(samples, key, device) for key in ("old_values", "returns", "mask")))
         if ev >= args.critic_warmup_ev or updates == args.critic_warmup_steps:
             break
         if update_critic(critic, optimizer, samples, args, world, device, None)["critic_steps"]:
@@ -548,32 +431,27 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "model_score": sum(s["model_score"] for s in samples), "score": sum(s["score"] for s in samples),
         "train_count": len(samples), "tokens": len(advantages), "advantage": advantages.sum().item(),
         "advantage_sq": (advantages ** 2).sum().item(), "value": values.sum().item(), "return": returns.sum().item(),
-        "ref_kl": kl.sum().item(),
-        "lp_diff": mismatch["lp_diff"], "lp_tokens": mismatch["lp_tokens"],
+        "ref_kl": kl.sum().item(), "lp_diff": mismatch["lp_diff"], "lp_tokens": mismatch["lp_tokens"],
         "tis_weight": mismatch["tis_weight_sum"], "tis_capped": mismatch["tis_capped"], **stats}, device)
-    count, tokens = sums["count"], max(sums["tokens"], 1)
+    count, tokens, policy_tokens = sums["count"], max(sums["tokens"], 1), max(sums["policy_tokens"], 1)
     steps, critic_steps = max(sums["opt_steps"] / world, 1), max(sums["critic_steps"] / world, 1)
-    advantage_mean = sums["advantage"] / tokens
+    advantage_mean, train_count = sums["advantage"] / tokens, max(sums["train_count"], 1)
     metrics = {
         "reward/mean": sums["rule_reward"] / count, "reward/accuracy": sums["correct"] / count,
-        "reward/model_mean": sums["model_score"] / max(sums["train_count"], 1),
-        "reward/score_mean": sums["score"] / max(sums["train_count"], 1),
+        "reward/model_mean": sums["model_score"] / train_count, "reward/score_mean": sums["score"] / train_count,
         "response/length_mean": sums["response_tokens"] / count, "response/truncated_frac": sums["truncated"] / count,
         **({"rollout/logprob_diff": sums["lp_diff"] / sums["lp_tokens"]} if sums["lp_tokens"] else {}),
         "loss/policy": sums["policy_loss"] / world / steps, "loss/value": sums["value_loss"] / world / critic_steps,
-        "policy/clip_frac": sums["clipfrac"] / max(sums["policy_tokens"], 1),
-        "policy/approx_kl": sums["approx_kl"] / max(sums["policy_tokens"], 1),
-        "policy/entropy": sums["entropy"] / max(sums["policy_tokens"], 1), "policy/kl_ref": sums["ref_kl"] / tokens,
+        "policy/clip_frac": sums["clipfrac"] / policy_tokens, "policy/approx_kl": sums["approx_kl"] / policy_tokens,
+        "policy/entropy": sums["entropy"] / policy_tokens, "policy/kl_ref": sums["ref_kl"] / tokens,
         "policy/grad_norm": sums["grad_norm"] / world / steps, "update/skipped": sums["skipped"] / world,
         "critic/value_mean": sums["value"] / tokens, "critic/return_mean": sums["return"] / tokens,
         "critic/value_clip_frac": sums["value_clipfrac"] / max(sums["critic_tokens"], 1),
         "critic/grad_norm": sums["critic_grad_norm"] / world / critic_steps,
-        "critic/explained_variance": explained_variance(padded(samples, "old_values", device),
-                                                        padded(samples, "returns", device),
-                                                        padded(samples, "mask", device)),
-        "advantage/mean": advantage_mean,
+        "critic/explained_variance": explained_variance(*(padded(samples, key, device)
+                                                          for key in ("old_values", "returns", "mask"))),
+        "advantage/mean": advantage_mean, "total_tokens": sums["total_tokens"],
         "advantage/std": max(sums["advantage_sq"] / tokens - advantage_mean ** 2, 0.0) ** 0.5,
-        "total_tokens": sums["total_tokens"],
         **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
     if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
         metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
@@ -581,91 +459,69 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     return metrics
 
 
-def main():
-    args = parse_args(Args)
-    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
-    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
-    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C: finish the step, save, stop (common/signals.py)
-    rank, world = placement.rank, placement.world
-    quiet_libraries()
-    # Defaults that depend on the task: the built-in one is tiny and starts from random weights.
+def resolve_defaults(args: Args) -> None:
+    """The flags left unset, from the task: the built-in one is tiny and starts from random weights."""
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
     args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
     args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
     args.critic_lr = (1e-3 if args.model is None else 1e-5) if args.critic_lr is None else args.critic_lr
-    fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts
+    fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
+
+
+def main():
+    args = parse_args(Args)
+    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    resolve_defaults(args)
     check_args(args, placement.num_trainers)
-    load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
+    rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
-    # The run's directory: locked for this run, and resumed from its newest intact training state (--resume auto).
+    # The run's directory (locked, and resumed from its newest intact state with --resume auto); the prompts.
     run_dir = open_run_dir("ppo", given, asdict(args), FIXED_ON_RESUME)
-    resume_path, output_dir = run_dir.resume_from, run_dir.path
-    resumed = read_trainer_state(resume_path) if resume_path else {"step": 0, "extra": {}}
-    start_step = resumed["step"]
-
-    # Data: prompts and the answers the rule reward checks them against.
     tokenizer = load_tokenizer(args.model)
-    train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
-                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
-    check_reward_fits(args, eval_rows)  # a reward that cannot score the data's own answers stops here, in one line
-    formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
-    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, *formats)
-    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, *formats)
+    train_rows, eval_rows, data_notes = load_prompts(args, tokenizer)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
-        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
+        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
+                              run_dir.start_step)
 
-    # Models: the policy, the critic, the frozen reference and reward model; an optimizer each for the first two.
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
-                         compile_layers=args.compile, precision=args.precision)
+    # Models: the policy and the critic, an optimizer each; the frozen reference and reward model.
+    shard = dict(compile_layers=args.compile, precision=args.precision)
+    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing, **shard)
     critic = shard_model(load_critic(args.model, args.critic_model, tokenizer, args.seed), device,
-                         args.activation_checkpointing, compile_layers=args.compile, precision=args.precision)
+                         args.activation_checkpointing, **shard)
     reference = reward_model = rm_tokenizer = None
     if args.kl_coef > 0:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
-                                compile_layers=args.compile, precision=args.precision)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False, **shard)
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
-        reward_model = shard_model(reward_model, device, trainable=False, compile_layers=args.compile,
-                                   precision=args.precision)
+        reward_model = shard_model(reward_model, device, trainable=False, **shard)
     for model in filter(None, [critic, reference, reward_model]):  # these never generate: packed rows only
         use_packed_attention(model, device)
-    num_params, peak = sum(p.numel() for p in policy.parameters()), peak_flops(device)
+    num_params = 2 * sum(p.numel() for p in policy.parameters())  # the policy's and the critic's (about as big)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
                                                         args.adam_beta2)
-    critic_state = {"critic": (critic, critic_optimizer, critic_scheduler)}
     offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
     offload.park(critic, reference, reward_model)  # before vLLM sizes itself from the free memory
 
-    logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, asdict(args), output_dir,
-                    run_id=resumed["extra"].get("wandb_run_id"), start_step=start_step)
-    for note in [*run_dir.notes, f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / "
-                 f"{eval_dropped} longer than --max-prompt-len {args.max_prompt_len}",
-                 f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}",
-                 *health_report(device, output_dir, 2 * num_params)]:  # collective: devices, all-reduce, disk
-        logger.print(note)
-    timer = StageTimer(device, args.hang_timeout, output_dir)
-    rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,
-                        logger, timer)
-    install_stop_handlers()  # again: the engine may have set handlers of its own
-    bad_steps = BadStepCounter(args.max_bad_steps)
-    if resume_path:  # last, so that the restored RNG states are the ones the loop continues with
-        with offload.on_gpu(critic, critic_optimizer, optimizer):  # loaded where they were saved, then parked
-            info = load_training_state(resume_path, policy, optimizer, scheduler, rollouts, critic_state)
-        set_hyperparameters(optimizer, scheduler, args.lr, args.weight_decay)  # this command's, not the saved ones
-        set_hyperparameters(critic_optimizer, critic_scheduler, args.critic_lr, args.weight_decay)
-        bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
-        logger.print(f"resumed from {resume_path} at step {start_step}" + ("" if info["exact_rng"] else
-                     f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are exact, "
-                     f"random streams re-seeded)"))
+    logger, timer = start_logging(args, run_dir, rank, device, data_notes, num_params)
+    rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
+                        run_dir.start_step, logger, timer)
+    bad_steps, perf = BadStepCounter(args.max_bad_steps), StepPerf(num_params, device, world)
+    checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts, bad_steps,
+                              {"policy": (policy, optimizer, scheduler, args.lr),
+                               "critic": (critic, critic_optimizer, critic_scheduler, args.critic_lr)},
+                              {"": policy, "critic": critic}, probes=[train_rows[0]["prompt"]],
+                              on_gpu=lambda: offload.on_gpu(critic, critic_optimizer, optimizer))
+    checkpoints.resume()
     if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
         logger.log(0, {**initial_eval, **timer.pop()}, advance=False)
     timer.pop()
 
     stop = False
-    for step in range(start_step + 1, args.steps + 1):
+    for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
         # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
         generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
@@ -674,11 +530,9 @@ def main():
         generated, metrics = rollouts.next_batch(step)
         # Every rank takes about the same token work: samples move between ranks (the losses are global means).
         samples, _ = share_samples_evenly(generated, sample_lengths(generated), world, rank)
-        for s in samples:
-            s["mask"] = torch.ones(len(s["response_ids"]))
 
         # 2. Reward: each response's score (rule reward + reward model - missing-EOS penalty), on its last token.
-        training_memory = TrainingMemoryPeak(device) if device.type == "cuda" else None
+        perf.start()
         with timer("reward_model"), offload.on_gpu(reward_model):
             add_scores(samples, args, reward_model, rm_tokenizer, tokenizer, device)
 
@@ -699,8 +553,7 @@ def main():
         add_advantages(samples, args, device)
         if step == 1 and args.critic_warmup_steps:  # a fresh critic learns this batch before the policy moves
             with timer("critic_warmup"), offload.on_gpu(critic, critic_optimizer):
-                metrics.update(warm_up_critic(critic, critic_optimizer, critic_scheduler, samples, args, world,
-                                              device))
+                metrics.update(warm_up_critic(critic, critic_optimizer, critic_scheduler, samples, args, world, device))
 
         # 5. Update the critic, then the policy.
         with timer("update"):
@@ -721,43 +574,23 @@ def main():
         bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
         total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "critic/lr": critic_scheduler.get_last_lr()[0],
-                        "time/step": step_seconds, "perf/tokens_per_s": total_tokens / step_seconds})
-        # Training FLOPs: the policy's and the critic's passes (about the same size), over the update's time.
-        if (train_mfu := mfu(2 * num_params, total_tokens * args.epochs, timer.seconds["time/update"], peak, world)):
-            metrics["perf/mfu"] = train_mfu
-        if training_memory is not None:  # the step's peak on the fullest GPU: generating or training, all included
-            metrics["perf/peak_memory_gb"] = max_over_ranks(
-                max(rollouts.rollout_memory, training_memory.peak()) / 1e9, device)
-        metrics.update(rollouts.evaluate(step))  # held-out greedy accuracy, when due
-        if args.save_every and step % args.save_every == 0 or step == args.steps:
-            with timer("save"), offload.on_gpu(critic):
-                save_hf_checkpoint(policy, tokenizer, os.path.join(output_dir, f"hf_step_{step}"),
-                                   checkpoint_dtype(args.model), probes=[train_rows[0]["prompt"]])
-                save_hf_checkpoint(critic, tokenizer, os.path.join(output_dir, f"hf_step_{step}", "critic"),
-                                   checkpoint_dtype(args.model), probes=[train_rows[0]["prompt"]])
-        logger.log(step, {**metrics, **timer.pop()})  # before the state: a state never exists without its row
-        crash_point("after_row", step)
+                        "time/step": step_seconds, "perf/tokens_per_s": total_tokens / step_seconds,
+                        **perf.metrics(total_tokens * args.epochs, timer.seconds["time/update"],
+                                       rollouts.rollout_memory),
+                        **rollouts.evaluate(step)})  # held-out greedy accuracy, when due
+        checkpoints.export(step)
+        logger.log(step, {**metrics, **timer.pop()})
 
-        # 8. Checkpoint: a resumable training state, the critic's included (its time is logged with the next step).
-        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
-            with timer("save_state"), offload.on_gpu(critic, critic_optimizer, optimizer):
-                save_training_state(output_dir, step, policy, optimizer, scheduler, rollouts,
-                                    {"wandb_run_id": logger.run_id, "bad_steps_in_a_row": bad_steps.in_a_row,
-                                     "args": asdict(args)}, critic_state)
-                prune_checkpoints(output_dir, args.keep_checkpoints)
-        crash_point("after_state", step)
+        # 8. Checkpoint: a resumable training state, the critic's included.
+        checkpoints.save(step, stop)
         if stop:
-            logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
-                         f"{step}; run the same command again to continue")
             break
 
-    if start_step >= args.steps:
-        logger.print(f"{resume_path} is already at step {start_step} of {args.steps}: nothing to do "
-                     f"(--steps trains further)")
-    if not stop and start_step <= args.steps:  # past --steps already: said above, and its export is elsewhere
+    checkpoints.say_if_nothing_to_do()
+    if not stop and run_dir.start_step <= args.steps:  # past --steps already: said above, and its export is elsewhere
         logger.print(f"held-out greedy accuracy: {rollouts.first_eval['eval/accuracy']:.3f} before training -> "
                      f"{rollouts.last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
-                     f"{os.path.join(output_dir, f'hf_step_{args.steps}')} (the critic in its critic/)")
+                     f"{os.path.join(run_dir.path, f'hf_step_{args.steps}')} (the critic in its critic/)")
     logger.close()
     rollouts.close()
     finish_distributed(exit_process=placement.split)
