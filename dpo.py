@@ -1,24 +1,20 @@
-"""DPO and KTO: preference optimisation without a reward model (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290;
-Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306).
+"""DPO (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290) and KTO (Ethayarajh et al. 2024,
+https://arxiv.org/abs/2402.01306): preference optimisation without a reward model.
 
-Given pairs of responses to one prompt, one preferred (chosen) and one not (rejected), DPO trains the policy
-directly on the preference, with no reward model and no sampling: the policy's log-probability gain over a frozen
-reference model is an implicit reward, r = beta * log(pi / pi_ref), and the loss -log sigmoid(r_chosen - r_rejected)
-is the Bradley-Terry likelihood that the chosen response wins. beta sets how far the policy may drift from the
-reference. `--loss-type` swaps the loss for one of its variants (IPO, hinge/SLiC, robust, APO-zero, SPPO-hard,
-SimPO); each is a few lines of `preference_loss` below, with its paper. `--sft-weight` adds RPO's NLL on the chosen
-response. KTO (`--loss-type kto`) needs no pairs: each response is only labelled desirable or not, and its implicit
-reward is pushed above or below a reference point, the policy's current KL from the reference (`kto_loss`); pairs
-become two such rows. Offline, the data is a dataset (e.g. HH-RLHF); online (Guo et al. 2024,
-https://arxiv.org/abs/2402.04792), both responses are sampled from the current policy and the reward picks the winner.
+DPO trains on pairs of responses to one prompt, one preferred (chosen), one not (rejected): the policy's log-prob
+gain over a frozen reference is an implicit reward, r = beta * log(pi / pi_ref), and the loss -log sigmoid(r_chosen -
+r_rejected) is the Bradley-Terry likelihood that the chosen response wins. `--loss-type` swaps in a variant (IPO,
+hinge/SLiC, robust, APO-zero, SPPO-hard, SimPO: a few lines each in `preference_loss`); `--sft-weight` adds RPO's NLL.
+KTO (`--loss-type kto`) needs only responses labelled desirable or not: each reward is pushed above or below a
+reference point, the policy's current KL from the reference (`kto_loss`); a pair is two such rows. Examples come
+from a dataset (e.g. HH-RLHF), or online (Guo et al. 2024, https://arxiv.org/abs/2402.04792) from the policy's own
+samples, the reward picking the winner: common/preference_source.py's business.
 
-Each step: examples (pairs or labelled rows, from the dataset or sampled online) -> reference log-probs (computed
-once by the initial policy and cached on disk, or a frozen copy) -> policy log-probs in packed micro-batches -> loss
--> update -> (online: weight sync) -> log -> checkpoint. At the first step the policy equals the reference, so the
-loss must equal its known value (ln 2 for DPO) and every implicit reward 0: the run checks it, which catches
-masking, packing, precision and prompt-boundary bugs at once. Where examples come from is
-common/preference_source.py's business. Left out on purpose: a reference model of another architecture,
-reward-model ensembles, length-controlled DPO.
+Each step: examples -> reference log-probs (cached, computed once by the initial policy, or a frozen copy) -> policy
+log-probs in packed micro-batches -> loss -> update -> (online: weight sync) -> log -> checkpoint. At the first step
+the policy equals the reference, so the loss must equal its known value (ln 2 for DPO) and every implicit reward 0:
+the run checks it, which catches masking, packing, precision and prompt-boundary bugs at once. Left out on purpose:
+a reference model of another architecture, reward-model ensembles, length-controlled DPO.
 
     torchrun --nproc_per_node 2 dpo.py                   # built-in task, synthetic pairs, CPU, about a minute
     torchrun --nproc_per_node 2 dpo.py --loss-type kto   # the same pairs as desirable and undesirable rows
@@ -27,7 +23,6 @@ reward-model ensembles, length-controlled DPO.
         --dataset-config harmless-base
 """
 
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,17 +33,15 @@ import torch.nn.functional as F
 
 from common.batching import plan_equal_micro_batches, share_samples_evenly
 from common.distributed import finish_distributed, sum_over_ranks
-from common.errors import check_ranges, parse_args, run_main
+from common.errors import check_ranges, run_main
 from common.logger import start_logging
-from common.logprobs import use_packed_attention
-from common.model import load_model, load_tokenizer, shard_model, stop_token_ids
-from common.optim import BadStepCounter, clip_and_step, make_optimizer
-from common.perf import StepPerf
-from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, cached_reference_logps,
-                                      example_length, example_logps, response_pair, rows_in_use)
-from common.preferences import add_kl_partners, load_preference_rows, unpair
+from common.model import load_model, load_tokenizer, shard_model
+from common.optim import clip_and_step, make_optimizer
+from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
+                                      example_logps, load_examples, response_pair)
+from common.preferences import unpair
 from common.resume import Checkpoints
-from common.rollouts import RolloutArgs, Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts, serve_rollouts
+from common.rollouts import RolloutArgs, Rollouts, check_rollout_args, fill_rollout_defaults
 from common.rundir import RunArgs, open_run_dir
 from common.signals import stop_agreed
 from common.split import init_placement
@@ -57,13 +50,11 @@ from common.value_models import load_reward_model
 
 @dataclass
 class Args(RunArgs, RolloutArgs):
-    # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """preference pairs, or (--loss-type kto) unpaired rows or pairs: HF hub dataset name or a local
-    .jsonl/.json/.parquet/.csv file (also compressed, e.g. .jsonl.gz); unset: the built-in task's pairs (the right
-    answer chosen over a wrong one). With --online: the prompts and reference answers, as grpo.py's --dataset"""
+    """pairs (or KTO's unpaired rows) as a hub dataset or a local .jsonl/.json/.parquet/.csv (also .jsonl.gz); unset:
+    the built-in task's pairs (its right answer over a wrong one). --online: prompts and answers, as grpo.py's"""
     dataset_config: str | None = None
     """configuration name of a hub dataset (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
     prompt_key: str = "prompt"
@@ -73,12 +64,9 @@ class Args(RunArgs, RolloutArgs):
     rejected_key: str = "rejected"
     """column of the other response (or whole dialogue)"""
     completion_key: str = "completion"
-    """KTO's unpaired rows: the column of the response (a file without it and --label-key holds pairs, split into
-    a desirable row, the chosen response, and an undesirable one)"""
+    """KTO's unpaired rows: the response (without it and --label-key, pairs give a desirable and an undesirable row)"""
     label_key: str = "label"
     """KTO's unpaired rows: the column saying whether the response is desirable (true) or not (false)"""
-    answer_key: str = "answer"
-    """with --online: the column of the reference answer the reward function checks"""
     eval_split: str = "test"
     """hub dataset split to evaluate on; a local file holds out its last --eval-size pairs instead"""
     eval_size: int | None = None
@@ -94,21 +82,15 @@ class Args(RunArgs, RolloutArgs):
 
     # online DPO
     online: bool = False
-    """sample the pairs from the policy: --group-size responses per prompt, the best against the worst by the
-    reward (ties skipped), generated by the shared rollout engines (vLLM on GPUs)"""
+    """sample the pairs from the policy (vLLM on GPUs): of --group-size responses, the best against the worst"""
     group_size: int = 8
     """with --online: responses sampled per prompt"""
     prompts_per_step: int = 64
     """with --online: prompts per step over all ranks"""
-    reward_fn: str | None = None
-    """with --online: gsm8k, math, synthetic, none or path/to/file.py:function, added to --reward-model's score;
-    unset: synthetic for the built-in task, none with --reward-model, else gsm8k"""
     reward_model: str | None = None
     """with --online: an AutoModelForSequenceClassification checkpoint (one label) that scores each response"""
     ref_update_every: int = 0
     """with --online: copy the policy into the reference every this many steps (iterative DPO); 0: never"""
-    max_response_len: int | None = None
-    """with --online: maximum new tokens per response; unset: 2 for the built-in task, else 1024"""
 
     # optimisation
     steps: int | None = None
@@ -135,25 +117,14 @@ class Args(RunArgs, RolloutArgs):
     """with kto: the weight of undesirable rows' losses (see --kto-desirable-weight)"""
     sft_weight: float | None = None
     """weight of the chosen (KTO: desirable) responses' mean per-token NLL added to the loss (RPO): keeps their
-    log-probs from falling with the rejected ones'; unset: 1 for the built-in task (its chosen answers are right),
-    else 0"""
+    log-probs from falling with the rejected ones'; unset: 1 for the built-in task (its answers are right), else 0"""
     ref_cache: str = "runs/ref_cache"
-    """directory where the reference log-probs (computed once, by the initial policy) are kept, under a key of the
-    model, data, template and lengths, so a later run on the same rows skips them; none: a frozen copy of the
-    model computes them every step instead (always the case with --online)"""
+    """where the reference log-probs, computed once by the initial policy, are kept under a key of the model, data,
+    template and lengths (a later run on the same rows reuses them); none (and --online): a frozen copy instead"""
     skip_start_check: bool = False
     """do not stop the run when the first step's loss and rewards differ from their values at policy == reference"""
-    max_tokens_per_micro_batch: int = 16384
-    """token budget of one forward/backward pass: pairs are packed end to end, chosen and rejected together"""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides (their
-    log-probs agree to 0.002 per token against 0.04; on SmolLM2-135M, online DPO reached 0.54 and 0.62 held-out
-    accuracy on addition after 20 steps against 0.12 and 0.14 in bf16: benchmarks/README.md); auto: with --online,
-    fp32 for models under 0.3B parameters, else bf16 (offline, fp32 is unmeasured)"""
-
-    # evaluation, checkpoints, logging
     eval_every: int = 25
-    """held-out evaluation (preference accuracy, and greedy task accuracy where there is a task) every this many
+    """held-out evaluation (preference accuracy; greedy task accuracy where prompts have answers) every this many
     steps, and before and after training"""
 
 
@@ -165,8 +136,7 @@ FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_k
 
 
 def resolve_defaults(args: Args) -> None:
-    """The flags left unset, from the task: the built-in one is tiny and starts from random weights. (Offline,
-    --steps defaults to one epoch of the data, known once it is loaded.)"""
+    """The flags left unset, from the task (offline --steps, one epoch, once the data is loaded: load_examples)."""
     builtin = args.dataset is None
     args.lr = (1e-3 if args.model is None else 5e-7) if args.lr is None else args.lr
     args.max_len = (16 if builtin else 1024) if args.max_len is None else args.max_len
@@ -179,15 +149,13 @@ def resolve_defaults(args: Args) -> None:
         args.precision = "bf16"  # auto's fp32 was measured with online rollouts only
     if args.online or builtin:  # rollouts: online, the pairs; the built-in task, greedy evaluation
         fill_rollout_defaults(args)  # the engine, reward processes, --precision auto
-    if args.online:
-        args.ref_cache = "none"  # the pairs are new every step
+    args.ref_cache = "none" if args.online else args.ref_cache  # online, the pairs are new every step
 
 
 def check_args(args: Args, world: int) -> None:
     """Flag values and combinations that cannot work, each with a one-line error (before any model is loaded)."""
-    check_ranges(args, positive=["lr", "max_grad_norm", "hang_timeout", "kto_desirable_weight",
-                                 "kto_undesirable_weight"],
-                 at_least_one=["steps", "pairs_per_step", "eval_size", "max_tokens_per_micro_batch", "max_len"],
+    check_ranges(args, at_least_one=["steps", "pairs_per_step", "eval_size", "max_tokens_per_micro_batch", "max_len"],
+                 positive=["lr", "max_grad_norm", "hang_timeout", "kto_desirable_weight", "kto_undesirable_weight"],
                  non_negative=["warmup_steps", "weight_decay", "sft_weight", "ref_update_every", "eval_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
     check_loss_args(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
@@ -210,7 +178,8 @@ def check_args(args: Args, world: int) -> None:
 
 def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict]:
     """Per prompt (group_size samples in a row), its best response against its worst by the reward; a group whose
-    rewards all tie gives no pair. Returns the pairs and this rank's sums for the log."""
+    rewards all tie gives no pair. KTO takes the two as a desirable and an undesirable row, each with a KL partner
+    from another prompt of the batch. Returns the examples and this rank's sums for the log."""
     pairs, gaps = [], []
     for start in range(0, len(samples), args.group_size):
         group = samples[start:start + args.group_size]
@@ -221,15 +190,9 @@ def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict
                           "rejected_ids": worst["response_ids"]})
             gaps.append(best["score"] - worst["score"])
     groups = len(samples) // args.group_size
-    return pairs, {"groups": groups, "ties": groups - len(pairs), "reward_gap": sum(gaps)}
-
-
-def online_examples(samples: list[dict], args: Args) -> tuple[list[dict], dict]:
-    """Online, the step's examples from its scored samples: the pairs above; for KTO their two responses as a
-    desirable and an undesirable row, each with a KL partner from another prompt of the batch."""
-    pairs, sums = make_online_pairs(samples, args)
+    sums = {"groups": groups, "ties": groups - len(pairs), "reward_gap": sum(gaps)}
     if args.loss_type == "kto":
-        pairs = add_kl_partners(unpair(pairs), args.max_prompt_len + args.max_response_len, args.seed)
+        return unpair(pairs, args.max_prompt_len + args.max_response_len, args.seed), sums
     return pairs, sums
 
 
@@ -262,8 +225,7 @@ def preference_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, lo
     policy_*, ref_*: summed log-probs of each response's tokens under the policy and the reference, [pairs]
     (ref_* unused by simpo, may be None). *_lengths: response lengths in tokens, [pairs], needed by ipo and simpo,
     which compare per-token averages. Returns (losses, chosen_rewards, rejected_rewards), each [pairs]; the rewards
-    (beta * log-ratio to the reference on the log-probs the loss sees; simpo: beta * average log-prob) are detached,
-    for logging (reward accuracy, margins).
+    (beta * log-ratio to the reference on the log-probs the loss sees; simpo: beta * average log-prob) are detached.
     """
     check_loss_args(loss_type, beta, label_smoothing, simpo_gamma)
     if loss_type == "kto":
@@ -315,32 +277,22 @@ def preference_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, lo
     return losses, (beta * chosen_logratio).detach(), (beta * rejected_logratio).detach()
 
 
-def loss_at_reference(loss_type: str, beta: float, label_smoothing: float = 0.0,
-                      simpo_gamma: float = 0.0) -> float | None:
-    """Each loss's value while the policy equals the reference (every log-ratio 0, so h = 0): what the first step
-    must log, whatever the data; a different value means the policy and the reference do not start equal.
-
-        sigmoid:   -(1 - eps) log 1/2 - eps log 1/2                    = ln 2 (any beta, any eps)
-        robust:    ((1 - eps) ln 2 - eps ln 2) / (1 - 2 eps)           = ln 2
-        ipo:       (0 - 1/(2 beta))^2                                  = 1 / (4 beta^2)
-        hinge:     relu(1 - 0)                                         = 1
-        apo-zero:  1 - sigmoid(0) + sigmoid(0)                         = 1
-        sppo-hard: (0 - 1/(2 beta))^2 + (0 + 1/(2 beta))^2             = 1 / (2 beta^2)
-        simpo:     None: it has no reference, and its first loss depends on the policy's own per-token margin
-                   (it is log(1 + e^gamma) only where the policy rates both responses alike).
-        kto:       None here: half of each row's weight, so it depends on the share of desirable rows (check_start).
-    """
+def loss_at_reference(loss_type: str, beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.0,
+                      desirable_share: float = 0.5, desirable_weight: float = 1.0,
+                      undesirable_weight: float = 1.0) -> float | None:
+    """Each loss's value while the policy equals the reference (every log-ratio 0): what the first step must log,
+    whatever the data. By hand: sigmoid and robust ln 2 (any beta and smoothing), ipo 1 / (4 beta^2), hinge and
+    apo-zero 1, sppo-hard 1 / (2 beta^2), kto half the rows' mean weight (share w_D + (1 - share) w_U) / 2; simpo
+    None (no reference: its first loss depends on the policy's own per-token margin)."""
     check_loss_args(loss_type, beta, label_smoothing, simpo_gamma)
-    return {
-        "sigmoid": math.log(2),
-        "robust": math.log(2),
-        "ipo": 1 / (4 * beta**2),
-        "hinge": 1.0,
-        "apo-zero": 1.0,
-        "sppo-hard": 1 / (2 * beta**2),
-        "simpo": None,
-        "kto": None,
-    }[loss_type]
+    zero, one = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    if loss_type == "simpo":
+        return None
+    if loss_type == "kto":
+        return sum(share * kto_loss(zero, zero, torch.tensor([label]), 0.0, beta, desirable_weight,
+                                    undesirable_weight)[0].item()
+                   for share, label in [(desirable_share, True), (1 - desirable_share, False)])
+    return preference_loss(zero, zero, zero, zero, loss_type, beta, label_smoothing, simpo_gamma, one, one)[0].item()
 
 
 def sft_loss(chosen_logps_sum, chosen_lengths):
@@ -355,51 +307,34 @@ def kto_loss(policy_logps, ref_logps, desirable, kl, beta: float, desirable_weig
     """KTO's per-row loss (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306, eq. 8) and implicit rewards.
 
     policy_logps, ref_logps: summed log-probs of each row's completion, [rows]; desirable: bool, [rows]; kl: the
-    reference point z0 (a float >= 0, kto_reference_point). With r = log pi/pi_ref, a completion's value is
+    reference point z0 (a float >= 0, train_step). With r = log pi/pi_ref, a completion's value is
     sigmoid(beta (r - z0)) if desirable and sigmoid(beta (z0 - r)) if not, and the loss is its weight times
-    (1 - value): a desirable completion gains by rising above the reference point, an undesirable one by falling
-    below it, and both saturate, as people weigh gains and losses (prospect theory). Returns (losses, rewards =
-    beta * r, detached), each [rows].
-    """
+    (1 - value): desirable completions gain by rising above the reference point, undesirable ones by falling below,
+    both saturating. Returns (losses, rewards = beta * r, detached), [rows]."""
     logratio = policy_logps - ref_logps
     losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (logratio - kl))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratio))))
     return losses, (beta * logratio).detach()
 
 
-@torch.no_grad()
-def kto_reference_point(policy, rows: list[dict], args: Args, device) -> float:
-    """Collective: KTO's z0, the step's estimate of KL(policy || reference) from mismatched pairs: the mean over
-    every rank's rows of log pi/pi_ref of the row's prompt with its KL partner's completion, clamped at 0. It is a
-    number, not a tensor: no gradient flows through the reference point."""
-    total = 0.0
-    for mb in plan_equal_micro_batches([example_length(r) for r in rows], args.max_tokens_per_micro_batch, device):
-        (logps,) = example_logps(policy, [rows[i] for i in mb], which=(1,))
-        total += sum(lp - rows[i]["ref"][1] for i, lp in zip(mb, logps.tolist()))
-    policy.reshard()
-    sums = sum_over_ranks({"kl": total, "rows": len(rows)}, device)
-    return max(0.0, sums["kl"] / max(sums["rows"], 1))
+SUMMED = (["reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected"],  # micro_batch_losses' sums: pairs,
+          ["desirable", "reward_desirable", "reward_undesirable"])  # and KTO's rows
 
 
-def micro_batch_losses(policy, examples: list[dict], args: Args, device, kl: float = 0.0, loss_type: str = "") -> tuple:
-    """The loss of each example of a micro-batch, its NLL term and sums for the log: pairs through
-    preference_loss, KTO's rows through kto_loss (with the step's reference point `kl`)."""
+def micro_batch_losses(policy, examples: list[dict], args: Args, device, kl: float = 0.0, loss_type: str = ""):
+    """Each example's loss [n] and NLL term [n] in a micro-batch, and sums for the log: pairs through
+    preference_loss, KTO's rows through kto_loss with the step's reference point `kl`."""
     loss_type = loss_type or args.loss_type
-    ref = torch.tensor([e["ref"] for e in examples], device=device)  # [examples, 2]
-    lengths = torch.tensor([[len(r) for r in response_pair(e)] for e in examples], device=device,
-                           dtype=torch.float32)  # [examples, 2]
+    ref = torch.tensor([e["ref"] for e in examples], device=device)  # [n, 2]
+    lengths = torch.tensor([[len(r) for r in response_pair(e)] for e in examples], device=device).float()  # [n, 2]
     if loss_type == "kto":
         (logps,) = example_logps(policy, examples, which=(0,))
-        desirable = torch.tensor([e["label"] for e in examples], device=device)
-        losses, rewards = kto_loss(logps, ref[:, 0], desirable, kl, args.beta, args.kto_desirable_weight,
+        good = torch.tensor([e["label"] for e in examples], device=device)
+        losses, rewards = kto_loss(logps, ref[:, 0], good, kl, args.beta, args.kto_desirable_weight,
                                    args.kto_undesirable_weight)
-        nll = sft_loss(logps, lengths[:, 0]) * desirable
-        return losses, nll, {"desirable": desirable.sum().item(), "reward_desirable": rewards[desirable].sum().item(),
-                             "positive_desirable": (rewards[desirable] > 0).sum().item(),
-                             "negative_undesirable": (rewards[~desirable] < 0).sum().item(),
-                             "reward_undesirable": rewards[~desirable].sum().item(),
-                             "logp_desirable": logps[desirable].sum().item(),
-                             "logp_undesirable": logps[~desirable].sum().item()}
+        return losses, sft_loss(logps, lengths[:, 0]) * good, {
+            "desirable": good.sum().item(), "reward_desirable": rewards[good].sum().item(),
+            "reward_undesirable": rewards[~good].sum().item(), "correct": ((rewards > 0) == good).sum().item()}
     chosen, rejected = example_logps(policy, examples)
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref[:, 0], ref[:, 1], loss_type, args.beta, args.label_smoothing, args.simpo_gamma,
@@ -410,44 +345,38 @@ def micro_batch_losses(policy, examples: list[dict], args: Args, device, kl: flo
         "logp_rejected": rejected.sum().item()}
 
 
-def train_step(policy, optimizer, examples: list[dict], args: Args, world: int, device) -> dict[str, float]:
+def train_step(policy, optimizer, examples: list[dict], reference, args: Args, world: int, device) -> dict:
     """One optimizer step on all of this rank's examples, in packed micro-batches; the loss is the mean over every
     rank's examples (normalised by their global count). Returns this rank's sums of the step's statistics."""
     num_examples = sum_over_ranks({"n": len(examples)}, device)["n"]
-    kl = kto_reference_point(policy, examples, args, device) if args.loss_type == "kto" else 0.0
-    sums = {"loss": 0.0, "sft": 0.0, "examples": 0, "kl": kl}
-    for mb in plan_equal_micro_batches([example_length(e) for e in examples], args.max_tokens_per_micro_batch,
-                                       device):
-        mbs = [examples[i] for i in mb]
-        if not mbs:  # this rank ran out of examples: a zero-weight pass keeps FSDP's collectives in step
+    # KTO's reference point z0: the step's estimate of KL(policy || reference), clamped at 0 (a number: no gradient).
+    kl = max(0.0, reference.mismatched_kl(policy, examples)) if args.loss_type == "kto" else 0.0
+    sums = dict.fromkeys(["loss", "sft", "examples", "correct", *SUMMED[args.loss_type == "kto"]], 0.0) | {"kl": kl}
+    for mb in plan_equal_micro_batches([example_length(e) for e in examples], args.max_tokens_per_micro_batch, device):
+        if not mb:  # this rank ran out of examples: a zero-weight pass keeps FSDP's collectives in step
             (example_logps(policy, [])[0].sum() * 0.0).backward()
             continue
-        losses, nll, stats = micro_batch_losses(policy, mbs, args, device, kl)
-        loss = (losses + args.sft_weight * nll).sum() / num_examples
-        (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
-        for key, value in [("loss", losses.sum().item()), ("sft", nll.sum().item()), ("examples", len(mbs)),
-                           *stats.items()]:
-            sums[key] = sums.get(key, 0.0) + value
+        losses, nll, stats = micro_batch_losses(policy, [examples[i] for i in mb], args, device, kl)
+        ((losses + args.sft_weight * nll).sum() / num_examples * world).backward()  # FSDP averages over ranks
+        for key, value in {"loss": losses.sum().item(), "sft": nll.sum().item(), "examples": len(mb), **stats}.items():
+            sums[key] += value
     grad_norm = clip_and_step(policy, optimizer, args.max_grad_norm)  # None: NaN/inf, the step is skipped
-    sums["skipped"], sums["grad_norm"] = float(grad_norm is None), grad_norm or 0.0
-    return sums
+    return {**sums, "skipped": float(grad_norm is None), "grad_norm": grad_norm or 0.0}
 
 
 def step_metrics(sums: dict, args: Args, world: int) -> dict[str, float]:
     """What is logged of an update (sums over all ranks)."""
     n = max(sums["examples"], 1)
-    metrics = {"loss/preference": sums["loss"] / n, "loss/sft": sums["sft"] / n, "pairs/count": sums["examples"],
-               "policy/grad_norm": sums["grad_norm"] / world, "update/skipped": sums["skipped"] / world}
+    mean = lambda key, count=n: sums.get(key, 0.0) / max(count, 1)
+    metrics = {"loss/preference": mean("loss"), "loss/sft": mean("sft"), "pairs/count": sums["examples"],
+               "rewards/accuracy": mean("correct"), "policy/grad_norm": sums["grad_norm"] / world,
+               "update/skipped": sums["skipped"] / world}
     if args.loss_type == "kto":
-        good, bad = max(sums.get("desirable", 0), 1), max(n - sums.get("desirable", 0), 1)
-        return {**metrics, "kto/kl": sums["kl"] / world, "rewards/desirable": sums.get("reward_desirable", 0) / good,
-                "rewards/undesirable": sums.get("reward_undesirable", 0) / bad,
-                "logps/desirable": sums.get("logp_desirable", 0) / good,
-                "logps/undesirable": sums.get("logp_undesirable", 0) / bad}
-    get = lambda key: sums.get(key, 0.0) / n
-    return {**metrics, "rewards/chosen": get("reward_chosen"), "rewards/rejected": get("reward_rejected"),
-            "rewards/margin": get("reward_chosen") - get("reward_rejected"), "rewards/accuracy": get("correct"),
-            "logps/chosen": get("logp_chosen"), "logps/rejected": get("logp_rejected")}
+        return {**metrics, "kto/kl": sums["kl"] / world, "rewards/desirable": mean("reward_desirable",
+                sums["desirable"]), "rewards/undesirable": mean("reward_undesirable", n - sums["desirable"])}
+    return {**metrics, "rewards/chosen": mean("reward_chosen"), "rewards/rejected": mean("reward_rejected"),
+            "rewards/margin": mean("reward_chosen") - mean("reward_rejected"), "logps/chosen": mean("logp_chosen"),
+            "logps/rejected": mean("logp_rejected")}
 
 
 @torch.no_grad()
@@ -459,19 +388,16 @@ def evaluate(policy, reference, rows: list[dict] | None, args: Args, rank: int, 
         return {}
     mine, unpaired = rows[rank::world], "label" in rows[0]
     reference.add_to(mine)
-    sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "rows": len(mine)}
+    sums = dict.fromkeys(["loss", "correct", "margin"], 0.0) | {"rows": len(mine)}
     for mb in plan_equal_micro_batches([example_length(r) for r in mine], args.max_tokens_per_micro_batch, device):
         if not mb:  # this rank ran out of rows: a dummy pass keeps FSDP's collectives in step
             example_logps(policy, [])
             continue
         losses, _, stats = micro_batch_losses(policy, [mine[i] for i in mb], args, device,
                                               loss_type="kto" if unpaired else args.loss_type.replace("kto", "sigmoid"))
-        if unpaired:  # rewards on the right side of 0: desirable above, undesirable below
-            sums["correct"] += stats["positive_desirable"] + stats["negative_undesirable"]
-        else:
-            sums["loss"] += losses.sum().item()
-            sums["correct"] += stats["correct"]
-            sums["margin"] += stats["reward_chosen"] - stats["reward_rejected"]
+        sums["loss"] += losses.sum().item()
+        sums["correct"] += stats["correct"]
+        sums["margin"] += stats.get("reward_chosen", 0) - stats.get("reward_rejected", 0)
     policy.reshard()
     sums = sum_over_ranks(sums, device)
     n = max(sums["rows"], 1)
@@ -483,28 +409,20 @@ def evaluate(policy, reference, rows: list[dict] | None, args: Args, rank: int, 
 
 def check_start(sums: dict, args: Args) -> None:
     """At the first step the policy equals the reference: the loss must be its known value and every implicit
-    reward 0 (up to float rounding). Anything else is a bug in masking, packing, precision or the prompt boundary."""
+    reward (and KTO's reference point) 0. Anything else is a masking, packing, precision or prompt-boundary bug."""
     n = max(sums["examples"], 1)
-    if args.loss_type == "kto":  # every value sigmoid(0) = 1/2: half of each row's weight; z0 = 0
-        desirable = sums.get("desirable", 0)
-        expected = 0.5 * (args.kto_desirable_weight * desirable + args.kto_undesirable_weight * (n - desirable)) / n
-        rewards = (abs(sums.get("reward_desirable", 0)) + abs(sums.get("reward_undesirable", 0))) / n + \
-            sums["kl"] * args.beta
-    else:
-        expected = loss_at_reference(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
-        rewards = (abs(sums.get("reward_chosen", 0)) + abs(sums.get("reward_rejected", 0))) / n
-    if expected is None or args.skip_start_check:
-        return
-    loss = sums["loss"] / n
-    if abs(loss - expected) > 2e-3 * max(1.0, expected) or rewards > 0.05 * args.beta:
+    expected = loss_at_reference(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma,
+                                 sums.get("desirable", 0) / n, args.kto_desirable_weight, args.kto_undesirable_weight)
+    loss, rewards = sums["loss"] / n, sum(abs(v) for k, v in sums.items() if k.startswith("reward_")) / n
+    if expected is not None and not args.skip_start_check and (
+            abs(loss - expected) > 2e-3 * max(1.0, expected) or rewards + args.beta * sums["kl"] > 0.05 * args.beta):
         raise ValueError(f"start-up check: at the first step the policy equals the reference, so the "
                          f"{args.loss_type} loss must be {expected:.4f} and the implicit rewards 0, but they are "
                          f"{loss:.4f} and {rewards:.3g} on average (a masking, packing, precision or prompt-boundary "
                          f"bug; --skip-start-check runs anyway)")
 
 
-def main():
-    args = parse_args(Args)
+def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
     placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
     resolve_defaults(args)
@@ -512,69 +430,47 @@ def main():
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
-    # Data: offline, pairs or KTO's rows and held-out ones; prompts with answers where there are any (online: the
-    # prompts to sample from; the built-in task: for greedy task accuracy).
+    # Data: offline, pairs or KTO's rows and held-out ones; prompts with answers, online and for the built-in task.
     tokenizer = load_tokenizer(args.model)
-    rows = eval_rows = task_rows = eval_task_rows = None
-    notes = []
-    if not args.online:
-        rows, eval_rows, stats = load_preference_rows(args, tokenizer, stop_token_ids(args.model, tokenizer))
-        args.steps = args.steps or max(1, len(rows) // args.pairs_per_step)
-        kind = " rows" if args.loss_type == "kto" else ""
-        notes.append(f"{len(rows)} train{kind} / {len(eval_rows)} eval {'rows' if 'label' in eval_rows[0] else 'pairs'}"
-                     f"; " + ", ".join(f"{k} {v}" for k, v in stats.items()))
-    if args.online or args.dataset is None:
-        task_rows, eval_task_rows, task_notes = load_prompts(args, tokenizer)
-        notes += task_notes
+    rows, eval_rows, task_rows, eval_task_rows, notes = load_examples(args, tokenizer)
     run_dir = open_run_dir("dpo", given, asdict(args), FIXED_ON_RESUME)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
-        return serve_rollouts(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
+        return Rollouts.serve(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Models: the policy; a frozen reference unless its log-probs come from the cache (simpo has none); the reward
-    # model.
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
-                         compile_layers=args.compile, precision=args.precision)
+    # Models: the policy; a frozen reference unless its log-probs are cached (simpo has none); the reward model.
+    shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
+                                                       trainable, args.compile, args.precision, packed_rows=True)
+    policy = shard(load_model(args.model, tokenizer, args.seed), trainable=True)
     frozen = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
-        frozen = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
-                             compile_layers=args.compile, precision=args.precision)
+        frozen = shard(load_model(args.model, tokenizer, args.seed))
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
-        reward_model = shard_model(reward_model, device, trainable=False, compile_layers=args.compile,
-                                   precision=args.precision)
-    for model in filter(None, [policy, frozen, reward_model]):  # training passes run on packed rows
-        use_packed_attention(model, device)
+        reward_model = shard(reward_model)
     num_params = sum(p.numel() for p in policy.parameters())
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer = start_logging(args, run_dir, rank, device, notes, num_params)
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes, num_params)
 
     # Where examples come from: the dataset (offline) or the policy's samples, scored and paired (online); the
     # shared rollouts also give greedy task accuracy wherever prompts have answers.
     rollouts = None if task_rows is None else Rollouts(args, placement, policy, tokenizer, task_rows, eval_task_rows,
                                                        device, run_dir.path, run_dir.start_step, logger, timer)
     if args.online:
-        source = OnlineExamples(rollouts, lambda samples: online_examples(samples, args), reward_model, rm_tokenizer,
+        source = OnlineExamples(rollouts, lambda samples: make_online_pairs(samples, args), reward_model, rm_tokenizer,
                                 tokenizer, args.max_tokens_per_micro_batch, device, timer)
     else:
         source = DatasetExamples(rows, args.pairs_per_step // world, rank, world, args.seed, rollouts)
     reference = ReferenceLogps(frozen, None, args.max_tokens_per_micro_batch, device)
     if frozen is None and args.loss_type != "simpo" and not args.online:  # before any update: policy == reference
-        for i, row in enumerate(rows + eval_rows):
-            row["index"] = i
-        needed = rows_in_use(rows, args.pairs_per_step, args.seed, args.steps) + [r["index"] for r in eval_rows]
         with timer("reference"):
-            reference.cache = cached_reference_logps(policy, rows + eval_rows, needed, args, rank, world, device,
-                                                     logger)
-    bad_steps, perf = BadStepCounter(args.max_bad_steps), StepPerf(num_params, device, world)
+            reference.cache_from(policy, rows, eval_rows, args, rank, world, device, logger)
     moving = {"reference": (frozen, None, None, None)} if frozen is not None and args.ref_update_every else {}
-    checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, source, bad_steps,
+    checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, source,
                               {"policy": (policy, optimizer, scheduler, args.lr), **moving}, {"": policy})
-    saved = checkpoints.resume()
-    first_eval, last_eval = saved.get("first_eval"), saved.get("last_eval")
-    # A fresh colocated run's initial greedy task accuracy; in split placement the rollout ranks get the weights
-    # they start from.
-    initial_task_eval = rollouts.start() if rollouts is not None else {}
+    first_eval, last_eval = map(checkpoints.resume().get, ("first_eval", "last_eval"))
+    # A fresh colocated run's greedy task accuracy; in split placement the rollout ranks get their first weights.
+    initial_task_eval = source.start()
     if not run_dir.resume_from:
         with timer("eval"):
             first_eval = last_eval = {**evaluate(policy, reference, eval_rows, args, rank, world, device),
@@ -582,12 +478,11 @@ def main():
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
     timer.pop()
 
-    stop, start_checked = False, run_dir.resume_from is not None  # (online, a step whose groups all tie has none)
+    stop, start_checked = False, run_dir.resume_from is not None
     for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
         # 1. Examples: the step's pairs (KTO: labelled rows), from the dataset or sampled, scored and paired online.
         examples, metrics = source.next_batch(step)
-        # Every rank takes about the same token work: examples move between ranks, each whole.
         examples, _ = share_samples_evenly(examples, [example_length(e) for e in examples], world, rank)
 
         # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
@@ -597,11 +492,11 @@ def main():
 
         # 3. Update: the preference loss (plus RPO's NLL), one optimizer step.
         with timer("update"):
-            stats = train_step(policy, optimizer, examples, args, world, device)
+            stats = train_step(policy, optimizer, examples, reference, args, world, device)
             if not stats["skipped"]:
                 scheduler.step()
         sums = sum_over_ranks({**stats, "tokens": sum(example_length(e) for e in examples)}, device)
-        if not start_checked and sums["examples"]:  # the first step with examples: its loss was at policy == reference
+        if not start_checked and sums["examples"]:  # the first step with examples (online, all groups may tie)
             check_start(sums, args)
             start_checked = True
         if args.ref_update_every and step % args.ref_update_every == 0:
@@ -614,12 +509,12 @@ def main():
 
         # 5. Log.
         metrics.update(step_metrics(sums, args, world))
-        bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
+        checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
         step_seconds = time.perf_counter() - step_start
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "time/step": step_seconds,
                         "perf/tokens_per_s": sums["tokens"] / step_seconds,
                         **perf.metrics(sums["tokens"], timer.seconds["time/update"],
-                                       rollouts.rollout_memory if rollouts is not None else 0)})
+                                       getattr(rollouts, "rollout_memory", 0))})
         if args.eval_every and step % args.eval_every == 0 or step == args.steps:
             with timer("eval"):
                 last_eval = {**evaluate(policy, reference, eval_rows, args, rank, world, device),
@@ -634,16 +529,15 @@ def main():
             break
 
     checkpoints.say_if_nothing_to_do()
-    if not stop and first_eval and last_eval and run_dir.start_step <= args.steps:  # past --steps: said above
-        shown = {"eval/preference_accuracy": "preference", "eval/label_accuracy": "label", "eval/accuracy": "greedy task"}
+    if not stop and first_eval and run_dir.start_step <= args.steps:  # past --steps: said above
         logger.print("; ".join(f"held-out {name} accuracy: {first_eval[k]:.3f} before training -> {last_eval[k]:.3f} "
-                               f"after {args.steps} steps" for k, name in shown.items() if k in first_eval)
+                               f"after {args.steps} steps" for k, name in [("eval/preference_accuracy", "preference"),
+                               ("eval/label_accuracy", "label"), ("eval/accuracy", "greedy task")] if k in first_eval)
                      + f"; model saved to {os.path.join(run_dir.path, f'hf_step_{args.steps}')}")
     logger.close()
-    if rollouts is not None:
-        rollouts.close()
+    source.close()
     finish_distributed(exit_process=placement.split)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, Args)

@@ -23,31 +23,30 @@ model's own chat template (its tokenizer re-tokenizes the text as is), a critic 
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
+import torch.distributed as dist
 
-from common.batching import (batching_metrics, explained_variance, masked_whiten, mini_batches, pad_rows, padded,
-                             plan_equal_micro_batches, share_samples_evenly, token_mean_share)
-from common.distributed import finish_distributed, max_over_ranks, sum_over_ranks
-from common.errors import check_ranges, parse_args, run_main
+from common.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
+                             share_samples_evenly)
+from common.distributed import finish_distributed, sum_over_ranks
+from common.errors import check_ranges, run_main
 from common.logger import start_logging
-from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths, use_packed_attention
+from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths
 from common.model import load_model, load_tokenizer, shard_model
 from common.offload import Offloader
-from common.optim import BadStepCounter, clip_and_step, make_optimizer
-from common.perf import StepPerf
+from common.optim import clip_and_step, make_optimizer
 from common.resume import Checkpoints
-from common.rollouts import (Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts, mismatch_metrics,
-                             serve_rollouts)
-from common.rundir import open_run_dir
+from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts,
+                             rollout_mismatch_metrics)
+from common.rundir import RunArgs, open_run_dir
 from common.signals import stop_agreed
 from common.split import init_placement
 from common.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
 
 
 @dataclass
-class Args:
+class Args(RunArgs, RolloutArgs):
     # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -58,72 +57,24 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
     rendered by the chat template; the reward function gets its last user message)"""
-    answer_key: str = "answer"
-    """dataset column holding the reference answer passed to the reward function"""
     eval_split: str = "test"
     """hub dataset split to evaluate on; a local file holds out --eval-size rows instead"""
     eval_size: int | None = None
     """number of held-out prompts evaluated; unset: 256, or a tenth of a local file of fewer than 2,560 rows"""
-    reward_fn: str | None = None
-    """gsm8k, math, synthetic, none or path/to/file.py:function (rule rewards, added to --reward-model's score);
-    unset: synthetic for the built-in task, none with --reward-model, else gsm8k"""
     reward_model: str | None = None
     """an AutoModelForSequenceClassification checkpoint (one label) that scores each whole response, frozen"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response cut at --max-response-len (it never reached a stop token)"""
-    reward_workers: int | None = None
-    """processes per rank that run the reward, scoring each prompt's responses as soon as they are generated, while
-    the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response at once)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
-    system_prompt: str | None = None
-    """a system message put before every prompt (without a chat template: a paragraph before it)"""
-    prompt_template: str | None = None
-    """a text holding {prompt}, which each prompt replaces before the chat template applies; e.g. for GSM8K:
-    '{prompt}\nLet us think step by step and output the final answer after ####.'"""
-    skip_reward_check: bool = False
-    """do not stop when the reward scores fewer than 90% of the held-out rows' own gold answers as correct (for
-    rewards whose gold answers are not completions)"""
 
     # rollout
-    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm on GPUs when installed, else hf (the trained model's own generate, slow but runs anywhere)"""
-    rollout_tp: int = 1
-    """vLLM tensor-parallel size; each group of this many ranks forms one generation replica"""
-    rollout_gpu_memory: float | None = None
-    """vLLM's memory. Unset: a KV cache that holds a step's sequences at once (a replica's prompts x --group-size, or
-    its held-out prompts, at full length; at most 40% of the GPU), as mapping it back after each sleep costs 1-5 ms
-    per GB. Up to 1: vLLM's share of the GPU for weights and KV cache. Above 1: GiB of KV cache. Unset or in GiB,
-    vLLM skips its start-up memory profiling, which fails when other processes on the GPU change their memory use"""
-    rollout_eager: bool = False
-    """disable vLLM's CUDA graphs and compilation (faster start-up, slower generation)"""
-    rollout_sleep_level: int | None = None
-    """what colocated vLLM frees while the trainer runs: 0 its KV cache only (the sync overwrites its weights in place:
-    fastest, for the memory of vLLM's weights); 1 its weights too, parked in CPU memory; 2 its weights too, dropped
-    (the sync refills them). Unset: 0 while vLLM's weights take at most 15% of the GPU, else 2 (benchmarks/README.md)"""
-    sync_bucket_mb: int = 512
-    """size of the buckets the trainer's weights are streamed to vLLM in"""
-    check_weight_sync: bool = False
-    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated)"""
-    rollout_ranks: int = 0
-    """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
-    trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
-    async_rollout: bool = False
-    """with --rollout-ranks: generate the next batch while the trainers train on this one (corrected by --tis-cap)"""
-    max_staleness: int = 1
-    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
     prompts_per_step: int = 64
     """prompts per step over all ranks"""
     group_size: int = 4
     """responses sampled per prompt (each is its own episode: PPO's advantages come from the critic)"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer's log-probs use the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     max_prompt_len: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
-    max_response_len: int | None = None
-    """maximum new tokens per response (generation also stops at EOS); unset: 2 for the built-in task, else 1024"""
 
     # optimisation
     steps: int = 120
@@ -134,12 +85,6 @@ class Args:
     """the critic's AdamW learning rate; unset: 1e-3 for the built-in tiny model, else 1e-5"""
     warmup_steps: int = 5
     """linear learning-rate warmup over this many updates (policy and critic)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay (policy and critic)"""
-    adam_beta2: float = 0.99
-    """AdamW's second-moment decay, policy and critic (0.999 is the usual default elsewhere)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm (policy and critic, each its own)"""
     critic_model: str | None = None
     """checkpoint the critic starts from: a causal LM, or a sequence-classification reward model whose score head
     becomes the value head; unset: the policy's own initial weights"""
@@ -169,8 +114,6 @@ class Args:
     """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
     epochs: int = 1
     """passes over each rollout batch"""
-    max_tokens_per_micro_batch: int = 16384
-    """token budget of one forward/backward pass: sequences are packed end to end (no padding) up to this many"""
     tis_cap: float | None = None
     """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) against the rollout
     engine's numerical mismatch and its older weights with --async-rollout; unset: off, or 2 with --async-rollout"""
@@ -178,54 +121,14 @@ class Args:
     """measure rollout/logprob_diff (how far the rollout engine's log-probs of the sampled tokens are from the
     trainer's) on the first step and every this many after (0: never); vLLM's per-token bookkeeping of its log-probs
     costs about a quarter of a small model's rollout time. --tis-cap needs them: every step then"""
-    activation_checkpointing: bool = False
-    """recompute each decoder layer in backward to save memory"""
     offload: bool = False
     """keep on the GPU only what each phase uses: the critic, the reference and the reward model wait in CPU memory
     until their pass, and each optimizer's moments until its update (one copy in and out per phase; the policy's
     weights stay for rollouts and syncs). What lets the 1.5B shape train on an 80 GB GPU: benchmarks/README.md"""
-    compile: bool = False
-    """torch.compile each decoder layer (dynamic shapes, for packed rows): fused kernels, most gain for small models"""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides (their
-    log-probs agree to 0.002 per token against 0.04; on SmolLM2-135M, PPO reached 0.72 held-out accuracy on addition
-    after 10 steps against 0.26 in bf16: benchmarks/README.md); auto: fp32 for models under 0.3B parameters, else bf16"""
 
     # evaluation, checkpoints, logging
     eval_every: int = 25
     """greedy evaluation on the held-out prompts every this many steps (and before and after training)"""
-    save_every: int = 0
-    """write an HF-format checkpoint every this many steps; 0: only at the end"""
-    save_state_every: int = 50
-    """write a resumable training state (sharded model and optimizer, scheduler, data position, RNG) every this
-    many steps; 0: only at the end and on SIGTERM"""
-    keep_checkpoints: int = 2
-    """resumable training states kept in the output dir (the newest); 0 keeps all"""
-    resume: str = "auto"
-    """auto: continue from the newest intact training state in the output dir, if any; none: start afresh (refused
-    where another run's files are, unless --overwrite); or the path of a state_<step> directory"""
-    overwrite: bool = False
-    """delete the run already in the output dir (its states, exports and metrics) and start afresh"""
-    reward_timeout: float | None = 30.0
-    """seconds one reward call may take: a slower one is stopped (its process killed and replaced), scores 0 and is
-    counted (reward/timeouts); None: no limit"""
-    max_bad_steps: int = 5
-    """stop after this many steps in a row whose update was skipped for a NaN/inf loss or gradient norm"""
-    hang_timeout: float | None = 1800.0
-    """seconds a rank may go without progress (one stage of a step, or the gap between two) before the run counts as
-    hung: every rank writes its Python stacks to <output-dir>/hangs/, one line names the stage, the step and the ranks
-    elsewhere, and the run exits non-zero, for torchrun --max-restarts or Slurm to restart it; None: wait for ever"""
-    output_dir: str | None = None
-    """where checkpoints, metrics and W&B files go; unset: runs/<run-name>. One run at a time per directory"""
-    run_name: str | None = None
-    """unset: ppo_<dataset>_s<seed>_<hash of the flags that define the run>, so that the same command resumes its
-    run and a changed one starts a new run (--steps, cadences, logging and memory flags are not in the hash)"""
-    seed: int = 1
-    """seed for the model init, data order and sampling"""
-    track: bool = False
-    """log to Weights & Biases (respects WANDB_MODE, e.g. offline)"""
-    wandb_project: str = "nanorl"
-    """W&B project"""
 
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
@@ -256,6 +159,75 @@ def check_args(args: Args, world: int) -> None:
 
 
 @torch.no_grad()
+def padded(samples: list[dict], key: str, device: torch.device) -> torch.Tensor:
+    """The per-token values under `key` of each sample (e.g. its response log-probs) as [n, longest] on `device`,
+    right-padded with 0."""
+    return pad_rows([s[key] for s in samples]).to(device)
+
+
+# Means and statistics over the real tokens of every rank, on right-padded [batch, seq] tensors with a float mask (1 for
+# a real token, 0 for padding): the same numbers whatever the split of the batch over ranks and micro-batches.
+
+def token_mean_share(token_loss: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch's token mean: sum(token_loss * mask) / num_tokens, where num_tokens
+    counts the real tokens of the whole mini-batch over all ranks, so the shares of all micro-batches of all ranks add
+    up to the mini-batch mean whatever the split (FSDP averages gradients over ranks: backward on share * world). A
+    mean per micro-batch instead weighs the tokens of a short micro-batch more and changes the effective learning rate
+    with the split: verl's critic loss once did. token_loss, mask: [batch, seq]."""
+    return (token_loss * mask).sum() / num_tokens
+
+
+@torch.no_grad()
+def masked_mean_var(x, mask):
+    """Mean and biased variance (divide by N) of x over the real tokens of every rank, as float64 scalars.
+
+    One all_reduce of (sum, sum of squares, count) when torch.distributed is initialised; this rank alone if not.
+    A batch with no real tokens anywhere gives mean 0 and variance 0.
+    """
+    real = mask > 0
+    x = torch.where(real, x.double(), 0.0)  # float64 before squaring: x may be bf16
+    stats = torch.stack([x.sum(), (x * x).sum(), real.sum().double()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats)
+    total, total_sq, count = stats.unbind()
+    count = count.clamp(min=1)
+    mean = total / count
+    return mean, (total_sq / count - mean * mean).clamp(min=0)  # E[x^2] - E[x]^2 in float64; rounding can go < 0
+
+
+@torch.no_grad()
+def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
+    """(x - mean) / std over the real tokens of all data-parallel ranks; 0 on padding. x, mask: [batch, seq].
+
+    The variance is the biased one (divide by N, see masked_mean_var), so the real tokens of the result have mean 0
+    and biased std 1 (up to eps). verl whitens with the unbiased variance of each rank's own batch; here every rank
+    whitens with the same global statistics, so the advantages do not depend on how the batch is split over ranks
+    (at N in the thousands the two variances differ by a factor N / (N - 1)). shift_mean=False keeps the mean and
+    scales only the spread, (x - mean) / std + mean, as verl and TRL do.
+    """
+    mean, var = masked_mean_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask > 0, whitened, 0.0).to(x.dtype)
+
+
+@torch.no_grad()
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var[R - V] / Var[R] over the real tokens of all ranks: 1 for a perfect critic, 0 for one that predicts
+    the mean return everywhere, negative for one worse than that. values, returns, mask: [batch, seq].
+
+    Biased variances, as masked_whiten. When the returns do not vary (Var[R] <= 1e-8, or no real tokens), the
+    ratio means nothing: 1.0 if the critic is exact there too (Var[R - V] <= 1e-8), else 0.0, as scikit-learn's
+    explained_variance_score does; never NaN, so a logged curve has no holes.
+    """
+    _, var_returns = masked_mean_var(returns, mask)
+    _, var_residual = masked_mean_var(returns - values, mask)
+    if var_returns <= 1e-8:
+        return 1.0 if var_residual <= 1e-8 else 0.0
+    return float(1 - var_residual / var_returns)
+
+
 def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
     """Per-token rewards: -kl_coef * KL on every response token, plus the score on each row's last real token, where
     the episode ends (at EOS or at the length limit). scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq].
@@ -420,7 +392,6 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as the rollout gave them (this
     rank's share of generation); samples: this rank's training share, with scores, values and advantages."""
     lengths = sample_lengths(samples)
-    mismatch = mismatch_metrics(samples, args.tis_cap or 1.0)  # the engine's log-probs against the trainer's
     cat = lambda key: torch.cat([s[key] for s in samples]) if samples else torch.zeros(0)
     advantages, values, returns = cat("raw_advantages"), cat("old_values"), cat("returns")
     kl = (cat("old_logprobs") - cat("ref_logprobs")) if "ref_logprobs" in samples[0] else torch.zeros(0)
@@ -431,8 +402,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "model_score": sum(s["model_score"] for s in samples), "score": sum(s["score"] for s in samples),
         "train_count": len(samples), "tokens": len(advantages), "advantage": advantages.sum().item(),
         "advantage_sq": (advantages ** 2).sum().item(), "value": values.sum().item(), "return": returns.sum().item(),
-        "ref_kl": kl.sum().item(), "lp_diff": mismatch["lp_diff"], "lp_tokens": mismatch["lp_tokens"],
-        "tis_weight": mismatch["tis_weight_sum"], "tis_capped": mismatch["tis_capped"], **stats}, device)
+        "ref_kl": kl.sum().item(), **stats}, device)
     count, tokens, policy_tokens = sums["count"], max(sums["tokens"], 1), max(sums["policy_tokens"], 1)
     steps, critic_steps = max(sums["opt_steps"] / world, 1), max(sums["critic_steps"] / world, 1)
     advantage_mean, train_count = sums["advantage"] / tokens, max(sums["train_count"], 1)
@@ -440,7 +410,6 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "reward/mean": sums["rule_reward"] / count, "reward/accuracy": sums["correct"] / count,
         "reward/model_mean": sums["model_score"] / train_count, "reward/score_mean": sums["score"] / train_count,
         "response/length_mean": sums["response_tokens"] / count, "response/truncated_frac": sums["truncated"] / count,
-        **({"rollout/logprob_diff": sums["lp_diff"] / sums["lp_tokens"]} if sums["lp_tokens"] else {}),
         "loss/policy": sums["policy_loss"] / world / steps, "loss/value": sums["value_loss"] / world / critic_steps,
         "policy/clip_frac": sums["clipfrac"] / policy_tokens, "policy/approx_kl": sums["approx_kl"] / policy_tokens,
         "policy/entropy": sums["entropy"] / policy_tokens, "policy/kl_ref": sums["ref_kl"] / tokens,
@@ -452,10 +421,8 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
                                                           for key in ("old_values", "returns", "mask"))),
         "advantage/mean": advantage_mean, "total_tokens": sums["total_tokens"],
         "advantage/std": max(sums["advantage_sq"] / tokens - advantage_mean ** 2, 0.0) ** 0.5,
-        **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device)}
-    if args.tis_cap is not None:  # the truncated importance weights min(p_old / p_rollout, cap) per token
-        metrics.update({"tis/weight_mean": sums["tis_weight"] / tokens, "tis/capped_frac": sums["tis_capped"] / tokens,
-                        "tis/ratio_max": max_over_ranks(mismatch["tis_ratio_max"], device)})
+        **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device),
+        **rollout_mismatch_metrics(samples, args.tis_cap, device)}  # the engine's log-probs against the trainer's
     return metrics
 
 
@@ -469,8 +436,7 @@ def resolve_defaults(args: Args) -> None:
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
 
 
-def main():
-    args = parse_args(Args)
+def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
     placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
     resolve_defaults(args)
@@ -483,22 +449,21 @@ def main():
     tokenizer = load_tokenizer(args.model)
     train_rows, eval_rows, data_notes = load_prompts(args, tokenizer)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
-        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
+        return Rollouts.serve(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
                               run_dir.start_step)
 
     # Models: the policy and the critic, an optimizer each; the frozen reference and reward model.
     shard = dict(compile_layers=args.compile, precision=args.precision)
     policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing, **shard)
     critic = shard_model(load_critic(args.model, args.critic_model, tokenizer, args.seed), device,
-                         args.activation_checkpointing, **shard)
+                         args.activation_checkpointing, packed_rows=True, **shard)  # (never generates)
     reference = reward_model = rm_tokenizer = None
     if args.kl_coef > 0:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False, **shard)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, False, False, packed_rows=True,
+                                **shard)
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
-        reward_model = shard_model(reward_model, device, trainable=False, **shard)
-    for model in filter(None, [critic, reference, reward_model]):  # these never generate: packed rows only
-        use_packed_attention(model, device)
+        reward_model = shard_model(reward_model, device, False, False, packed_rows=True, **shard)
     num_params = 2 * sum(p.numel() for p in policy.parameters())  # the policy's and the critic's (about as big)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
@@ -506,11 +471,10 @@ def main():
     offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
     offload.park(critic, reference, reward_model)  # before vLLM sizes itself from the free memory
 
-    logger, timer = start_logging(args, run_dir, rank, device, data_notes, num_params)
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, num_params)
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                         run_dir.start_step, logger, timer)
-    bad_steps, perf = BadStepCounter(args.max_bad_steps), StepPerf(num_params, device, world)
-    checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts, bad_steps,
+    checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
                               {"policy": (policy, optimizer, scheduler, args.lr),
                                "critic": (critic, critic_optimizer, critic_scheduler, args.critic_lr)},
                               {"": policy, "critic": critic}, probes=[train_rows[0]["prompt"]],
@@ -571,7 +535,7 @@ def main():
 
         # 7. Log.
         metrics.update(step_metrics(samples, generated, stats, args, world, device))
-        bad_steps.record(metrics["update/skipped"] > 0, step)  # raises on every rank after --max-bad-steps in a row
+        checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
         total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "critic/lr": critic_scheduler.get_last_lr()[0],
                         "time/step": step_seconds, "perf/tokens_per_s": total_tokens / step_seconds,
@@ -597,4 +561,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, Args)

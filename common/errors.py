@@ -130,10 +130,11 @@ def report_and_exit(error: BaseException, code: int = 1) -> None:
     os._exit(code)
 
 
-def run_main(main) -> None:
-    """`if __name__ == "__main__": run_main(main)`: main() with the failure reporting above."""
+def run_main(main, args_class=None) -> None:
+    """`if __name__ == "__main__": run_main(main, Args)`: main(args), the flags parsed from the command line
+    (parse_args), with the failure reporting above; without args_class, main()."""
     try:
-        main()
+        main() if args_class is None else main(parse_args(args_class))
     except SystemExit:
         raise
     except BaseException as error:  # noqa: BLE001 - every failure is reported the same way

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from common.logprobs import use_packed_attention
 from sharding.checkpoint import load_saved_tokenizer
 
 
@@ -132,12 +133,14 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
-                trainable: bool = True, compile_layers: bool = False, precision: str = "bf16") -> torch.nn.Module:
+                trainable: bool = True, compile_layers: bool = False, precision: str = "bf16",
+                packed_rows: bool = False) -> torch.nn.Module:
     """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head).
 
     On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
     are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`.
-    compile_layers: see compile_model.
+    compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
+    model but a policy that also generates with HF's generate (common/rollouts.py switches that one itself).
     """
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -150,6 +153,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     fully_shard(model, mp_policy=policy)  # also moves the shards and buffers onto `device`
     model.requires_grad_(trainable)
     model.train(trainable)
+    if packed_rows:
+        use_packed_attention(model, device)
     return model
 
 

@@ -4,9 +4,9 @@ An example is a prompt and two responses whose log-probs training takes in one p
 and rejected responses (DPO), or KTO's completion and its KL partner (another row's completion to this prompt, for
 the reference point). `DatasetExamples` draws them from a dataset with a seeded sampler; `OnlineExamples` samples
 responses from the policy through the shared rollouts, scores them and lets the script pair them. Both have the
-same four calls (`next_batch`, `publish`, `evaluate_task`, and the state that checkpoints save), so the loop has no
-offline/online branch. `ReferenceLogps` gives the reference policy's log-probs: computed once by the initial policy
-and cached on disk (offline), or from a frozen copy of the model every step.
+same calls (`start`, `next_batch`, `publish`, `evaluate_task`, `close`, and the state that checkpoints save), so the
+loop has no offline/online branch. `ReferenceLogps` gives the reference policy's log-probs: computed once by the
+initial policy and cached on disk (offline), or from a frozen copy of the model every step.
 """
 
 import hashlib
@@ -20,6 +20,9 @@ from common.batching import plan_equal_micro_batches
 from common.data import PromptSampler
 from common.distributed import sum_over_ranks
 from common.logprobs import packed_response_logprobs
+from common.model import stop_token_ids
+from common.preferences import load_preference_rows
+from common.rollouts import load_prompts
 from common.value_models import reward_model_scores
 
 
@@ -73,12 +76,17 @@ def model_fingerprint(model: str | None, seed: int) -> str:
                                 os.path.getmtime(os.path.join(model, f))) for f in files]])
 
 
-def cached_reference_logps(policy, rows: list[dict], needed: list[int], args, rank: int, world: int, device,
-                           logger) -> dict[int, tuple[float, float]]:
-    """The reference log-probs of rows[i] for every i in `needed`, computed by the initial policy and kept in
-    --ref-cache under a key of the model, the precision and the exact token ids of all rows (so data, template and
-    lengths are in it): a later run on the same rows computes only what the cache lacks, and no reference model
-    sits in memory while training. Returns {row index: (first, second)}."""
+def cached_reference_logps(policy, train_rows: list[dict], eval_rows: list[dict], args, rank: int, world: int,
+                           device, logger) -> dict[int, tuple[float, float]]:
+    """Collective, before the first update (the policy is the reference then). The reference log-probs of the
+    held-out rows and of the training rows the run's --steps will sample, kept in --ref-cache under a key of the
+    model, the precision and the exact token ids of all rows (so data, template and lengths are in it): a later run
+    on the same rows computes only what the cache lacks, and no reference model sits in memory while training.
+    Numbers every row ("index": train rows first) and returns {index: (first, second)}."""
+    rows = train_rows + eval_rows
+    for i, row in enumerate(rows):
+        row["index"] = i
+    needed = rows_in_use(train_rows, args.pairs_per_step, args.seed, args.steps) + [r["index"] for r in eval_rows]
     key = hashlib.sha1((model_fingerprint(args.model, args.seed) + args.precision + json.dumps(
         [(r["prompt_ids"], *response_pair(r)) for r in rows])).encode()).hexdigest()[:16]
     path = os.path.join(args.ref_cache, f"{key}.pt")
@@ -115,6 +123,24 @@ class ReferenceLogps:
     def __init__(self, frozen=None, cache: dict | None = None, budget: int = 0, device=None):
         self.frozen, self.cache, self.budget, self.device = frozen, cache, budget, device
 
+    def cache_from(self, policy, train_rows: list[dict], eval_rows: list[dict], args, rank: int, world: int, device,
+                   logger) -> None:
+        """Collective, before the first update: the cache (cached_reference_logps) in place of a frozen model."""
+        self.cache = cached_reference_logps(policy, train_rows, eval_rows, args, rank, world, device, logger)
+
+    @torch.no_grad()
+    def mismatched_kl(self, policy, rows: list[dict]) -> float:
+        """Collective: an estimate of KL(policy || reference) from mismatched pairs (KTO's reference point): the
+        mean over every rank's rows of log pi/pi_ref of the row's prompt with its KL partner's completion ("kl_ids";
+        the reference's log-prob from the row's "ref", add_to)."""
+        total = 0.0
+        for mb in plan_equal_micro_batches([example_length(r) for r in rows], self.budget, self.device):
+            (logps,) = example_logps(policy, [rows[i] for i in mb], which=(1,))
+            total += sum(lp - rows[i]["ref"][1] for i, lp in zip(mb, logps.tolist()))
+        policy.reshard()
+        sums = sum_over_ranks({"kl": total, "rows": len(rows)}, self.device)
+        return sums["kl"] / max(sums["rows"], 1)
+
     def add_to(self, examples: list[dict]) -> None:
         """Collective when frozen: sets each example's "ref" to (first, second) summed log-probs."""
         if self.frozen is not None:
@@ -138,6 +164,9 @@ class DatasetExamples:
     def __init__(self, rows: list[dict], per_rank: int, rank: int, world: int, seed: int, rollouts=None):
         self.sampler, self.rollouts = PromptSampler(rows, per_rank, rank, world, seed), rollouts
 
+    def start(self) -> dict:
+        return self.rollouts.start() if self.rollouts is not None else {}
+
     def next_batch(self, step: int) -> tuple[list[dict], dict]:
         return self.sampler.next_batch(), {}
 
@@ -146,6 +175,10 @@ class DatasetExamples:
 
     def evaluate_task(self, step: int) -> dict:
         return self.rollouts.evaluate(step, due=True) if self.rollouts is not None else {}
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.close()
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
@@ -181,14 +214,38 @@ class OnlineExamples:
                         "pairs/reward_gap": sums["reward_gap"] / max(sums["groups"] - sums["ties"], 1)})
         return examples, metrics
 
+    def start(self) -> dict:
+        return self.rollouts.start()
+
     def publish(self, step: int, stop: bool) -> dict:
         return self.rollouts.publish(step, stop)
 
     def evaluate_task(self, step: int) -> dict:
         return self.rollouts.evaluate(step, due=True)
 
+    def close(self) -> None:
+        self.rollouts.close()
+
     def state_dict(self) -> dict:
         return self.rollouts.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.rollouts.load_state_dict(state)
+
+
+def load_examples(args, tokenizer) -> tuple:
+    """dpo.py's data: (train rows, held-out rows, task rows, held-out task rows, notes to print). Offline: pairs or
+    KTO's rows and held-out ones (common/preferences.py), and --steps' default, one epoch of them; prompts with
+    answers where there are any (online: the prompts to sample from; the built-in task: for greedy task accuracy)."""
+    rows = eval_rows = task_rows = eval_task_rows = None
+    notes = []
+    if not args.online:
+        rows, eval_rows, stats = load_preference_rows(args, tokenizer, stop_token_ids(args.model, tokenizer))
+        args.steps = args.steps or max(1, len(rows) // args.pairs_per_step)
+        notes.append(f"{len(rows)} train{' rows' if args.loss_type == 'kto' else ''} / {len(eval_rows)} eval "
+                     f"{'rows' if 'label' in eval_rows[0] else 'pairs'}; "
+                     + ", ".join(f"{k} {v}" for k, v in stats.items()))
+    if args.online or args.dataset is None:
+        task_rows, eval_task_rows, task_notes = load_prompts(args, tokenizer)
+        notes += task_notes
+    return rows, eval_rows, task_rows, eval_task_rows, notes

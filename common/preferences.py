@@ -291,10 +291,12 @@ def has_columns(dataset: str, columns: list[str], config: str | None = None, spl
     return all(column in table.column_names for column in columns)
 
 
-def unpair(rows: list[dict]) -> list[dict]:
-    """Tokenized pairs -> KTO's unpaired rows: the chosen response desirable, the rejected one undesirable."""
-    return [{"prompt_ids": row["prompt_ids"], "completion_ids": row[side], "label": side == "chosen_ids"}
+def unpair(rows: list[dict], max_len: int | None = None, seed: int = 0) -> list[dict]:
+    """Tokenized pairs -> KTO's unpaired rows: the chosen response desirable, the rejected one undesirable; with
+    max_len, each with its KL partner (add_kl_partners)."""
+    rows = [{"prompt_ids": row["prompt_ids"], "completion_ids": row[side], "label": side == "chosen_ids"}
             for row in rows for side in ("chosen_ids", "rejected_ids")]
+    return rows if max_len is None else add_kl_partners(rows, max_len, seed)
 
 
 def add_kl_partners(rows: list[dict], max_len: int, seed: int) -> list[dict]:
@@ -345,7 +347,7 @@ def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[di
                                            stop_ids, ("completion",) if unpaired else ("chosen", "rejected"))
     (rows, token_stats), (eval_rows, _) = tokenize(train), tokenize(held_out)
     if kto:
-        rows = add_kl_partners(rows if unpaired else unpair(rows), args.max_len, args.seed)
+        rows = add_kl_partners(rows, args.max_len, args.seed) if unpaired else unpair(rows, args.max_len, args.seed)
         if unpaired:
             eval_rows = add_kl_partners(eval_rows, args.max_len, args.seed)
     return rows, eval_rows, {**stats, **token_stats}

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from common.distributed import raise_on_all_ranks
 from common.model import checkpoint_dtype
-from common.optim import set_hyperparameters
+from common.optim import BadStepCounter, set_hyperparameters
 from common.signals import crash_point, stop_requested
 from sharding.checkpoint import save_hf_checkpoint
 
@@ -301,10 +301,11 @@ class Checkpoints:
     are the ones the loop continues with), `export()` before a step's row is logged and `save()` after it: a
     training state never exists without its row."""
 
-    def __init__(self, args, run_dir, logger, timer, tokenizer, data, bad_steps, models: dict, exports: dict,
+    def __init__(self, args, run_dir, logger, timer, tokenizer, data, models: dict, exports: dict,
                  probes: list[str] | None = None, on_gpu=contextlib.nullcontext):
         self.args, self.run_dir, self.logger, self.timer, self.tokenizer = args, run_dir, logger, timer, tokenizer
-        self.data, self.bad_steps, self.models, self.exports = data, bad_steps, models, exports
+        self.data, self.models, self.exports = data, models, exports
+        self.bad_steps = BadStepCounter(args.max_bad_steps)  # saved with the state: a resumed run counts on
         self.probes, self.on_gpu = probes, on_gpu
         (self.policy, self.optimizer, self.scheduler, _), *more = models.values()
         self.more = {name: model[:3] for name, model in list(models.items())[1:]} or None

@@ -46,6 +46,13 @@ from sharding.vllm_sync import trainer_weights, weight_shapes
 @dataclass
 class RolloutArgs:
     """The rollout flags every script shares (grpo.py, ppo.py, dpo.py --online): each script's Args extends it."""
+    answer_key: str = "answer"
+    """dataset column holding the reference answer passed to the reward function"""
+    reward_fn: str | None = None
+    """gsm8k, math, synthetic, none or path/to/file.py:function (ppo.py and dpo.py add --reward-model's score);
+    unset: synthetic for the built-in task, none with --reward-model, else gsm8k"""
+    max_response_len: int | None = None
+    """maximum new tokens per response (generation also stops at EOS); unset: 2 for the built-in task, else 1024"""
     reward_workers: int | None = None
     """processes per rank that run the reward, scoring each prompt's responses as soon as they are generated, while
     the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response at once)"""
@@ -127,7 +134,8 @@ def check_rollout_args(args, num_trainers: int) -> None:
                          f"{args.rollout_ranks}")
     if args.async_rollout and not args.rollout_ranks:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
-    load_reward_fn(args.reward_fn)  # a bad reward spec fails now, before any model is loaded
+    if args.reward_fn is not None:  # (resolve_defaults sets it) a bad reward spec fails now, before any model loads
+        load_reward_fn(args.reward_fn)
 
 
 def load_prompts(args, tokenizer) -> tuple[list[dict], list[dict], list[str]]:
@@ -234,6 +242,12 @@ class Rollouts:
         self.synced_version = -1  # the policy version the colocated engine holds
         self.version = start_step  # the policy's version: updates made
         self.stopping = False  # the run stops before its last step (a stop signal)
+
+    @staticmethod
+    def serve(args, placement, tokenizer, train_rows: list[dict], eval_rows: list[dict], device, output_dir: str,
+              start_step: int) -> None:
+        """Split placement's rollout ranks, instead of training: generate and score for the trainers, to the end."""
+        serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, output_dir, start_step)
 
     # -----------------------------------------------------------------------------------------------------------
     # What the loop calls.
@@ -419,6 +433,20 @@ def mismatch_metrics(samples: list[dict], cap: float) -> dict:
     return {"lp_diff": diff.abs().sum().item(), "lp_tokens": diff.numel(),
             "tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
             "tis_ratio_max": ratio.max().item()}
+
+
+def rollout_mismatch_metrics(samples: list[dict], tis_cap: float | None, device) -> dict[str, float]:
+    """Collective: mismatch_metrics over every rank's samples, as logged: rollout/logprob_diff (where measured) and,
+    with a TIS cap, the mean truncated importance weight, the share of capped tokens and the largest ratio."""
+    mismatch = mismatch_metrics(samples, tis_cap or 1.0)
+    sums = all_reduce_sum([mismatch["lp_diff"], mismatch["lp_tokens"], mismatch["tis_weight_sum"],
+                           mismatch["tis_capped"]], device)
+    diff, tokens, weight, capped = sums
+    metrics = {"rollout/logprob_diff": diff / tokens} if tokens else {}
+    if tis_cap is not None and tokens:
+        metrics.update({"tis/weight_mean": weight / tokens, "tis/capped_frac": capped / tokens,
+                        "tis/ratio_max": max_over_ranks(mismatch["tis_ratio_max"], device)})
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from common import errors
 from common.distributed import decided_by_rank0
@@ -47,6 +48,12 @@ class RunArgs:
     """AdamW weight decay"""
     adam_beta2: float = 0.99
     """AdamW's second-moment decay (0.999 is the usual default elsewhere)"""
+    max_tokens_per_micro_batch: int = 16384
+    """token budget of one forward/backward pass: sequences are packed end to end into rows of up to this many"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """GPU arithmetic of training and of vLLM's rollouts: bf16 over fp32 master weights, or fp32 on both sides
+    (log-probs agree to 0.002 per token against 0.04; SmolLM2 learned addition much faster in fp32 with GRPO, PPO and
+    online DPO: benchmarks/README.md); auto: fp32 for models under 0.3B parameters, else bf16 (dpo.py offline: bf16)"""
     activation_checkpointing: bool = False
     """recompute each decoder layer in backward to save memory"""
     compile: bool = False

@@ -123,7 +123,7 @@ def _script_rank(module, request: dict, rank: int, port: int) -> None:
     from common.errors import run_main
     code = 0
     try:
-        run_main(module.main)
+        run_main(module.main, module.Args)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     _leave_rank(code)

@@ -1,6 +1,7 @@
-"""DPO: the losses against values worked out by hand and their known value while policy == reference; then the
-step's pieces on the tiny model: pairs packed == padded, the cached reference == a live one (and a changed key
-recomputes), the start-up check catches a broken mask, 1 rank == 2 ranks, online pairs with ties."""
+"""DPO and KTO: the losses against values worked out by hand and their known value while policy == reference; then
+the step's pieces on the tiny model: pairs packed == padded, the cached reference == a live one (and a changed key
+recomputes), the start-up check catches a broken mask, 1 rank == 2 ranks (KTO's reference point gathered over
+ranks), online pairs with ties."""
 
 import math
 import os
@@ -10,6 +11,8 @@ import torch
 
 import dpo
 import launcher
+from common import preference_source
+from common.preferences import unpair
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -123,7 +126,7 @@ def test_losses_are_per_pair():
     assert chosen_rewards.tolist() == pytest.approx([1.0, 0.0, -3.0]) and not chosen_rewards.requires_grad
 
 
-@pytest.mark.parametrize("loss_type", [t for t in dpo.LOSS_TYPES if t != "simpo"])
+@pytest.mark.parametrize("loss_type", [t for t in dpo.LOSS_TYPES if t not in ("simpo", "kto")])  # kto: below
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
 def test_loss_at_reference_matches_preference_loss(loss_type, beta):
     smoothing = 0.1 if loss_type in dpo.SMOOTHED_LOSS_TYPES else 0.0
@@ -146,13 +149,36 @@ def test_loss_at_reference_by_hand():
     assert dpo.loss_at_reference("simpo", 2.0, simpo_gamma=1.0) is None
 
 
+def test_kto_loss_by_hand():
+    # log-ratios 1 (desirable) and -1 (undesirable), z0 = 0.5, beta = 2: values sigmoid(2 * 0.5) = sigmoid(1) and
+    # sigmoid(2 * (0.5 + 1)) = sigmoid(3); losses w_D (1 - sigmoid(1)) and w_U (1 - sigmoid(3))
+    policy, ref, desirable = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -2.0]), torch.tensor([True, False])
+    losses, rewards = dpo.kto_loss(policy, ref, desirable, 0.5, 2.0, desirable_weight=1.5, undesirable_weight=0.5)
+    assert losses.tolist() == pytest.approx([1.5 * (1 - sigmoid(1.0)), 0.5 * (1 - sigmoid(3.0))], abs=1e-6)
+    assert rewards.tolist() == pytest.approx([2.0, -2.0]) and not rewards.requires_grad
+    # the gradient of a desirable row's loss pushes its log-prob up: -w beta sigmoid(x)(1 - sigmoid(x)), x = 1
+    logps = torch.tensor([-1.0], requires_grad=True)
+    dpo.kto_loss(logps, torch.tensor([-2.0]), torch.tensor([True]), 0.5, 2.0)[0].sum().backward()
+    assert logps.grad.item() == pytest.approx(-2.0 * sigmoid(1.0) * (1 - sigmoid(1.0)), abs=1e-6)
+
+
+def test_kto_loss_at_reference_by_hand():
+    # every value sigmoid(0) = 1/2: the loss is half each row's weight, averaged over the rows
+    assert dpo.loss_at_reference("kto", 0.1) == pytest.approx(0.5)
+    assert dpo.loss_at_reference("kto", 0.1, desirable_share=0.25, desirable_weight=2.0,
+                                 undesirable_weight=1.0) == pytest.approx((0.25 * 2.0 + 0.75 * 1.0) / 2)
+    losses, rewards = dpo.kto_loss(torch.tensor([-4.0, -9.0]), torch.tensor([-4.0, -9.0]), torch.tensor([True, False]),
+                                   0.0, 0.3)
+    assert losses.tolist() == [0.5, 0.5] and rewards.tolist() == [0.0, 0.0]
+
+
 def test_sft_loss_by_hand():
     # mean NLL per token: 2 / 2 and 6 / 3
     assert dpo.sft_loss(torch.tensor([-2.0, -6.0]), torch.tensor([2, 3])).tolist() == pytest.approx([1.0, 2.0])
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"loss_type": "kto"}, "unknown loss type 'kto'; known: sigmoid, ipo"),
+    ({"loss_type": "nope"}, "unknown loss type 'nope'; known: sigmoid, ipo"),
     ({"beta": 0.0}, "beta must be greater than 0"),
     ({"loss_type": "hinge", "label_smoothing": 0.1}, "label smoothing applies to sigmoid, robust, simpo, not to hinge"),
     ({"loss_type": "robust", "label_smoothing": 0.5}, r"label smoothing must be in \[0, 0.5\)"),
@@ -201,7 +227,7 @@ def pieces_worker(rank: int, world: int, port: int, out_dir: str):
     if world == 1:
         # Packed (both responses of each pair in one row, several pairs per micro-batch) == one padded sequence each.
         plain = load_model(None, tokenizer, 0)
-        chosen, rejected = dpo.pair_logps(policy, pairs)
+        chosen, rejected = preference_source.example_logps(policy, pairs)
         by_hand = []
         for p in pairs:
             for side in ("chosen_ids", "rejected_ids"):
@@ -213,21 +239,24 @@ def pieces_worker(rank: int, world: int, port: int, out_dir: str):
         class Quiet:
             def print(self, message):
                 results.setdefault("notes", []).append(message)
-        cached = dpo.cached_reference_logps(policy, pairs, list(range(6)), args, rank, world, cpu, Quiet())
-        live = dpo.reference_logps(shard_model(load_model(None, tokenizer, 0), cpu), pairs, args, rank, world, cpu)
+        args.steps = 1  # with 6 pairs a step and no held-out ones: the cache holds all 6
+        args.pairs_per_step = 6
+        cached = preference_source.cached_reference_logps(policy, pairs, [], args, rank, world, cpu, Quiet())
+        live = preference_source.reference_logps(shard_model(load_model(None, tokenizer, 0), cpu), pairs,
+                                                 args.max_tokens_per_micro_batch, rank, world, cpu)
         results["cache"] = ([cached[i] for i in range(6)], live)
-        dpo.cached_reference_logps(policy, pairs, list(range(6)), args, rank, world, cpu, Quiet())
-        dpo.cached_reference_logps(policy, tiny_pairs(seed=1), list(range(6)), args, rank, world, cpu, Quiet())
+        preference_source.cached_reference_logps(policy, pairs, [], args, rank, world, cpu, Quiet())
+        preference_source.cached_reference_logps(policy, tiny_pairs(seed=1), [], args, rank, world, cpu, Quiet())
         results["cache_files"] = sorted(os.listdir(args.ref_cache))
         # The start-up check: passes while the policy is the reference, fails when the policy's log-probs are taken
         # one token off (a broken response mask: the last prompt token scored as if it were the response's).
-        for p, (c, r) in zip(pairs, live):
-            p["ref_chosen"], p["ref_rejected"] = c, r
-        sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), pairs, args, world, cpu)
+        for p, pair in zip(pairs, live):
+            p["ref"] = pair
+        sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), pairs, None, args, world, cpu)
         dpo.check_start(sums, args)
         shifted = [{**p, "prompt_ids": p["prompt_ids"][:-1], "chosen_ids": p["prompt_ids"][-1:] + p["chosen_ids"],
                     "rejected_ids": p["prompt_ids"][-1:] + p["rejected_ids"]} for p in pairs]
-        sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), shifted, args, world, cpu)
+        sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), shifted, None, args, world, cpu)
         try:
             dpo.check_start(sums, args)
             results["broken_check"] = None
@@ -236,10 +265,22 @@ def pieces_worker(rank: int, world: int, port: int, out_dir: str):
     # One step (SGD: linear in the gradient) on every pair, dealt out over `world` ranks.
     mine = pairs[rank::world]
     for p in mine:
-        p["ref_chosen"], p["ref_rejected"] = -3.0, -3.5
-    sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=args.lr), mine, args, world, cpu)
+        p["ref"] = (-3.0, -3.5)
+    sums = dpo.train_step(policy, torch.optim.SGD(policy.parameters(), lr=args.lr), mine, None, args, world, cpu)
     results["weights"] = {n: p.full_tensor().clone() for n, p in policy.named_parameters()}
     results["loss"] = sum_over(sums["loss"], cpu)
+    # KTO: the same pairs as desirable and undesirable rows, with KL partners; its reference point z0 is one number
+    # over every rank's rows, so one step on 2 ranks equals one on 1 (and at policy == reference the loss is 1/2).
+    kto = dpo.Args(**{**vars(args), "loss_type": "kto", "sft_weight": 0.5})
+    rows = unpair(tiny_pairs(seed=2), max_len=16, seed=0)
+    for r in rows:
+        r["ref"] = (-3.0 - r["label"], -50.0)  # not the policy's: rewards and a reference point z0 > 0
+    reference = preference_source.ReferenceLogps(budget=kto.max_tokens_per_micro_batch, device=cpu)
+    kto_policy = shard_model(load_model(None, tokenizer, 0), cpu)
+    sums = dpo.train_step(kto_policy, torch.optim.SGD(kto_policy.parameters(), lr=args.lr), rows[rank::world],
+                          reference, kto, world, cpu)
+    results["kto_weights"] = {n: p.full_tensor().clone() for n, p in kto_policy.named_parameters()}
+    results["kto"] = (sum_over(sums["loss"], cpu), sums["kl"])
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"world{world}.pt"))
     finish_gloo()
@@ -282,3 +323,12 @@ def test_two_ranks_step_as_one(pieces):
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     for name, weight in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], weight, rtol=1e-4, atol=1e-6)
+
+
+def test_kto_two_ranks_step_as_one(pieces):
+    one, two = pieces
+    (loss_one, kl_one), (loss_two, kl_two) = one["kto"], two["kto"]
+    assert kl_one > 0 and kl_two == pytest.approx(kl_one, rel=1e-5)  # gathered: the same z0 on every rank
+    assert loss_two == pytest.approx(loss_one, rel=1e-5)
+    for name, weight in one["kto_weights"].items():
+        torch.testing.assert_close(two["kto_weights"][name], weight, rtol=1e-4, atol=1e-6)

@@ -33,6 +33,22 @@ def test_offline_default_learns_the_builtin_task(tmp_path):
     assert abs(first["loss/preference"] - math.log(2)) < 1e-6 and abs(first["rewards/margin"]) < 1e-6
 
 
+def test_kto_default_learns_the_builtin_task(tmp_path):
+    """`torchrun --nproc_per_node 2 dpo.py --loss-type kto`: the built-in pairs as desirable and undesirable rows;
+    held-out preference accuracy at least 0.9 and greedy task accuracy up by at least 0.3; step 1 at policy ==
+    reference: loss 1/2 (half of each row's weight 1), reference point and rewards 0."""
+    result = dpo(["--loss-type", "kto"], tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    found = accuracies(output)
+    assert found["preference"][1] >= 0.9, found
+    assert found["greedy task"][1] - found["greedy task"][0] >= 0.3, found
+    [run] = (tmp_path / "runs").glob("dpo_builtin_s1_*")
+    first = next(row for row in metric_rows(run) if row["step"] == 1)
+    assert abs(first["loss/preference"] - 0.5) < 1e-6 and first["kto/kl"] == 0.0
+    assert abs(first["rewards/desirable"]) < 1e-6 and abs(first["rewards/undesirable"]) < 1e-6
+
+
 def test_online_default_learns_the_builtin_task(tmp_path):
     """`torchrun --nproc_per_node 2 dpo.py --online`: greedy task accuracy at least 0.8."""
     result = dpo(["--online"], tmp_path, timeout=600)
@@ -61,8 +77,8 @@ def test_killed_run_resumes_exactly(tmp_path):
     """Killed after step 3's state: resumed from it, equal to an uninterrupted run metric for metric and weight
     for weight; online too, with the reference refreshed every 2 steps (saved with the state). The finished run,
     launched again, has nothing to do and reports the same before -> after accuracies; with a smaller --steps, none."""
-    for extra in ([], ["--online", "--prompts-per-step", "8", "--ref-update-every", "2"]):
-        whole, killed = tmp_path / f"whole{len(extra)}", tmp_path / f"killed{len(extra)}"
+    for extra in ([], ["--loss-type", "kto"], ["--online", "--prompts-per-step", "8", "--ref-update-every", "2"]):
+        whole, killed = tmp_path / f"whole{len(extra)}", tmp_path / f"killed{len(extra)}"  # (2 and 5 flags: apart)
         first = dpo([*RESUMABLE, *extra, "--output-dir", str(whole)], tmp_path)
         assert first.returncode == 0
         again = dpo([*RESUMABLE, *extra, "--output-dir", str(whole)], tmp_path)
@@ -102,3 +118,26 @@ def test_whole_dialogue_pairs_train_and_bad_columns_are_one_line(tmp_path):
     result = dpo(["--dataset", "pairs.jsonl.gz", "--chosen-key", "better", "--output-dir", str(tmp_path / "r2")],
                  tmp_path)
     assert_one_line_error(result, "missing column(s) ['better']; existing columns: ['chosen', 'rejected']")
+
+
+def test_kto_trains_on_an_unpaired_file_and_bad_labels_are_one_line(tmp_path):
+    """KTO's own format: rows of prompt, completion and a true/false label (here under other column names), with
+    more undesirable rows than desirable ones; held-out rows are unpaired too, scored by label accuracy."""
+    import json
+    rows = [{"q": f"max {a} {b} {c} =", "a": str(n), "good": n == max(a, b, c)}
+            for a, b, c in [(1, 7, 3), (9, 2, 4), (5, 6, 0), (8, 3, 11)] * 5 for n in (a, b, c)]
+    (tmp_path / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--loss-type", "kto", "--dataset", "kto.jsonl", "--prompt-key", "q", "--completion-key", "a",
+             "--label-key", "good", "--kto-undesirable-weight", "0.5", "--max-len", "16", "--pairs-per-step", "8",
+             "--steps", "3", "--eval-every", "0"]
+    result = dpo([*flags, "--output-dir", str(tmp_path / "run")], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "54 train rows / 6 eval rows" in output and "held-out label accuracy: " in output
+    rows[3]["good"] = "yes"
+    (tmp_path / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = dpo([*flags, "--output-dir", str(tmp_path / "r2")], tmp_path)
+    assert_one_line_error(result, "kto.jsonl: row 3 column 'good': must be true or false, got 'yes'")
+    result = dpo(["--dataset", "kto.jsonl", "--prompt-key", "q", "--completion-key", "a", "--label-key", "good",
+                  "--output-dir", str(tmp_path / "r3")], tmp_path)
+    assert_one_line_error(result, "unpaired rows ('a', 'good') train --loss-type kto")

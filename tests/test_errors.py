@@ -72,3 +72,19 @@ def test_help_flows_each_flags_docstring_into_one_paragraph(monkeypatch, capsys)
         errors.parse_args(Flags)
     lines = [" ".join(line.strip("│ ").split()) for line in capsys.readouterr().out.splitlines()]
     assert any("a short first line that goes on here" in line for line in lines), lines
+
+
+def test_a_failure_repeated_by_torchruns_restart_is_one_line(tmp_path, monkeypatch):
+    """errors._said_before, without torchrun: the same failure in restart 1 of the same launch is one line;
+    in a new launch (another TORCHELASTIC_RUN_ID) over the same run directory it is shown in full again."""
+    monkeypatch.setattr(errors, "_report_file", None)
+    errors.record_reports_in(str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert errors._said_before("Traceback ... boom") == "Traceback ... boom"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert errors._said_before("Traceback ... boom") == \
+        "error: failed again with the same error as before torchrun's restart 1 (shown above)"
+    assert errors._said_before("Traceback ... other") == "Traceback ... other"  # a different failure: in full
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")  # a later job on the same directory
+    assert errors._said_before("Traceback ... other") == "Traceback ... other"

@@ -319,19 +319,19 @@ def test_a_stuck_reward_never_hangs_the_run(tmp_path, how):
     proc = launch([*TINY, "--steps", "3", "--output-dir", str(out), "--reward-fn", stuck_reward(tmp_path),
                    "--reward-timeout", "None"], tmp_path, env={marker: "1"})
     wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text(), proc)  # step 0's row
-    start = time.time()
-    if how == "SIGTERM":
+    if how == "SIGTERM":  # (the generous limits only bound a failure: a stuck run would never end at all)
         proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=60)[0]
+        output = proc.communicate(timeout=180)[0]
         assert output.count("saved the training state at step 1") == 1, output[-3000:]
         [row] = [row for row in metric_rows(out) if row["step"] == 1]
         assert row["reward/timeouts"] >= 1
     else:
         proc.kill()
         proc.wait()
-    while processes_with(marker) and time.time() - start < 30:
+    start = time.time()  # the launch has ended: its ranks and reward processes go with it (they watch their parent)
+    while processes_with(marker) and time.time() - start < 120:
         time.sleep(0.2)
-    assert not processes_with(marker) and time.time() - start < 30
+    assert not processes_with(marker)
 
 
 def test_run_names_follow_the_command(tmp_path):

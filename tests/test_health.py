@@ -33,3 +33,22 @@ def test_health_line_measures_the_link_and_warns_of_a_full_disk(tmp_path):
     line, warning = huge.split("\n")
     assert line.startswith("health: ") and "a training state about 12000000.0 GB" in line
     assert warning.startswith(f"warning: {tmp_path} has ") and "room for fewer than two training states" in warning
+
+
+def test_the_disk_warning_starts_below_two_states(tmp_path, monkeypatch):
+    """room for 1.5 states warns, room for 2.5 does not (pins the 'fewer than two' threshold)."""
+    import shutil
+    from collections import namedtuple
+
+    import torch
+    import torch.distributed as dist
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**10, 0, 3 * 10**9))  # 3 GB free
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tight = health_report(torch.device("cpu"), str(tmp_path), num_params=2 * 10**9 // 12)  # 2 GB a state
+        roomy = health_report(torch.device("cpu"), str(tmp_path), num_params=12 * 10**8 // 12)  # 1.2 GB a state
+    finally:
+        dist.destroy_process_group()
+    assert len(tight) == 2 and "room for fewer than two training states" in tight[1], tight
+    assert len(roomy) == 1, roomy

@@ -9,7 +9,6 @@ import torch
 
 import ppo
 import launcher
-from common.batching import explained_variance, masked_whiten, token_mean_share
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -78,12 +77,12 @@ def test_masked_whiten_by_hand():
     # Real tokens 1, 2, 3, 4: mean 2.5, biased var (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25.
     std = math.sqrt(1.25 + 1e-8)
     expected = torch.tensor([[-1.5 / std, -0.5 / std, 0.0], [0.5 / std, 1.5 / std, 0.0]])  # padding -> 0
-    torch.testing.assert_close(masked_whiten(x, mask), expected)
+    torch.testing.assert_close(ppo.masked_whiten(x, mask), expected)
     # shift_mean=False keeps the mean: (x - 2.5) / std + 2.5 on real tokens.
-    torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False), (expected + 2.5) * mask)
+    torch.testing.assert_close(ppo.masked_whiten(x, mask, shift_mean=False), (expected + 2.5) * mask)
     # One real token, or none: no variance to divide by, no NaN.
-    assert torch.equal(masked_whiten(x, torch.tensor([[1.0, 0, 0], [0, 0, 0]])), torch.zeros(2, 3))
-    assert torch.equal(masked_whiten(x, torch.zeros(2, 3)), torch.zeros(2, 3))
+    assert torch.equal(ppo.masked_whiten(x, torch.tensor([[1.0, 0, 0], [0, 0, 0]])), torch.zeros(2, 3))
+    assert torch.equal(ppo.masked_whiten(x, torch.zeros(2, 3)), torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("advantage, ratio, expected_loss, expected_clipped", [
@@ -129,7 +128,7 @@ def test_token_mean_share_adds_up_whatever_the_split():
     mean = (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9) / 9  # = 5
     for splits in [[4], [1, 3], [2, 2], [3, 1], [1, 1, 2], [1, 1, 1, 1]]:  # micro-batches (or ranks) of rows
         parts = zip(token_loss.split(splits), mask.split(splits))
-        assert sum(token_mean_share(loss, m, num_tokens=9).item() for loss, m in parts) == pytest.approx(mean)
+        assert sum(ppo.token_mean_share(loss, m, num_tokens=9).item() for loss, m in parts) == pytest.approx(mean)
     # A mean per micro-batch would not: [rows 0-1] and [rows 2-3] give (10 / 4 + 35 / 5) / 2 = 4.75, not 5.
     per_micro_batch = [(loss * m).sum() / m.sum() for loss, m in zip(token_loss.split(2), mask.split(2))]
     assert (sum(per_micro_batch) / 2).item() == pytest.approx(4.75)
@@ -139,22 +138,22 @@ def test_explained_variance_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     returns = torch.tensor([[1.0, 2.0, 50.0], [3.0, 4.0, -50.0]])  # junk on padding
     # Real returns 1, 2, 3, 4: mean 2.5, biased Var[R] = 1.25.
-    assert explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)  # perfect critic
-    assert explained_variance(torch.full((2, 3), 2.5), returns, mask) == pytest.approx(0.0)  # V = mean R
+    assert ppo.explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)  # perfect critic
+    assert ppo.explained_variance(torch.full((2, 3), 2.5), returns, mask) == pytest.approx(0.0)  # V = mean R
     # V = 1, 2, 3, 3: R - V = 0, 0, 0, 1, mean 0.25, Var = (3 * 0.0625 + 0.5625) / 4 = 0.1875.
     values = torch.tensor([[1.0, 2.0, 0.0], [3.0, 3.0, 0.0]])
-    assert explained_variance(values, returns, mask) == pytest.approx(1 - 0.1875 / 1.25)  # 0.85
+    assert ppo.explained_variance(values, returns, mask) == pytest.approx(1 - 0.1875 / 1.25)  # 0.85
     # V = 0, or V = 2R - 2.5 (R - V = 2.5 - R): either way Var[R - V] = Var[R], so 0 as well.
-    assert explained_variance(torch.zeros(2, 3), returns, mask) == pytest.approx(0.0)
-    assert explained_variance(2 * returns - 2.5, returns, mask) == pytest.approx(0.0)
+    assert ppo.explained_variance(torch.zeros(2, 3), returns, mask) == pytest.approx(0.0)
+    assert ppo.explained_variance(2 * returns - 2.5, returns, mask) == pytest.approx(0.0)
     # V = 2.5 - 2 (R - 2.5): R - V = 3 (R - 2.5), Var = 9 * 1.25: 1 - 9 = -8, worse than predicting the mean.
-    assert explained_variance(2.5 - 2 * (returns - 2.5), returns, mask) == pytest.approx(-8.0)
+    assert ppo.explained_variance(2.5 - 2 * (returns - 2.5), returns, mask) == pytest.approx(-8.0)
     # Returns that do not vary: 1.0 if the critic is exact (up to a constant), else 0.0; never NaN.
     flat = torch.full((2, 3), 0.3)
-    assert explained_variance(flat.clone(), flat, mask) == 1.0
-    assert explained_variance(flat + 7.0, flat, mask) == 1.0  # Var[R - V] = 0: V - R is constant
-    assert explained_variance(values, flat, mask) == 0.0
-    assert explained_variance(values, returns, torch.zeros(2, 3)) == 1.0  # no real tokens
+    assert ppo.explained_variance(flat.clone(), flat, mask) == 1.0
+    assert ppo.explained_variance(flat + 7.0, flat, mask) == 1.0  # Var[R - V] = 0: V - R is constant
+    assert ppo.explained_variance(values, flat, mask) == 0.0
+    assert ppo.explained_variance(values, returns, torch.zeros(2, 3)) == 1.0  # no real tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,8 +174,8 @@ def rank_data():
 def global_stats(rank: int, world: int, port: int, out_dir: str):
     init_gloo(rank, world, port)
     x, values, mask = rank_data()[rank]
-    torch.save({"whitened": masked_whiten(x, mask), "kept_mean": masked_whiten(x, mask, shift_mean=False),
-                "ev": explained_variance(values, x, mask)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"whitened": ppo.masked_whiten(x, mask), "kept_mean": ppo.masked_whiten(x, mask, shift_mean=False),
+                "ev": ppo.explained_variance(values, x, mask)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finish_gloo()
 
 
@@ -188,13 +187,13 @@ def test_global_statistics_two_ranks_match_one(tmp_path):
     launcher.spawn(global_stats, args=(2, free_port(), str(tmp_path)), nprocs=2)
     data = rank_data()
     x, values, mask = (torch.cat([pad_to(d[i], 4) for d in data]) for i in range(3))  # 1 rank: all 5 rows
-    whitened = masked_whiten(x, mask)
+    whitened = ppo.masked_whiten(x, mask)
     real = whitened[mask.bool()]  # 10 real tokens
     assert real.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert real.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-6)
     assert torch.equal(whitened[~mask.bool()], torch.zeros(10))
-    kept_mean = masked_whiten(x, mask, shift_mean=False)
-    ev = explained_variance(values, x, mask)
+    kept_mean = ppo.masked_whiten(x, mask, shift_mean=False)
+    ev = ppo.explained_variance(values, x, mask)
     for rank, start, end in [(0, 0, 3), (1, 3, 5)]:
         got = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(pad_to(got["whitened"], 4), whitened[start:end])
