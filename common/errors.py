@@ -153,10 +153,14 @@ def check_ranges(args, positive=(), at_least_one=(), non_negative=()) -> None:
 
 
 def parse_args(cls):
-    """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank."""
+    """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank. --help lists the
+    script's own flags first, then those of the shared classes its Args extends (RunArgs, RolloutArgs)."""
     import io
 
     import tyro
+
+    own = vars(cls).get("__annotations__", {})
+    cls.__dataclass_fields__ = dict(sorted(cls.__dataclass_fields__.items(), key=lambda item: item[0] not in own))
 
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         with flowing_help():
