@@ -3,6 +3,7 @@ lengths, with step time and learning curves of both.
 
     python scripts/bench_vs_trl.py grpo --model /tmp/smollm2 --data addition.jsonl --gpus 0,1 --seeds 1 2 3 --out OUT
     python scripts/bench_vs_trl.py dpo --model /tmp/smollm2 --data harmless-base-test.jsonl.gz --gpus 0 --out OUT
+    python scripts/bench_vs_trl.py kto --model /tmp/smollm2 --data harmless-base-test.jsonl.gz --gpus 0 --out OUT
 
 With two GPUs (--gpus 0,1) each seed runs ours on the first and TRL on the second at the same time, so both see
 the same host load; with one, they run one after the other. Each side writes a metrics.jsonl with the same metric
@@ -12,10 +13,17 @@ in the TRL worker process, and nowhere else.
 
 Matched: model, data rows and held-out rows (ours picks them; TRL gets the same), chat template, reward function,
 prompts x samples per step, learning rate, response length, sampling temperature, steps; DPO: beta, pairs per
-step, max length, one epoch. Left at each trainer's own defaults, and so different (listed in the summary): the
+step, max length, one epoch; KTO (ours: dpo.py --loss-type kto; TRL: KTOTrainer): each training pair as a
+desirable (chosen) and an undesirable (rejected) row, the very rows ours trains on in the order ours draws them (TRL
+reads its rows in order, so its step k holds ours' step k's rows), beta, desirable and undesirable weights 1, rows
+per step, max length, one epoch. Left at each trainer's own defaults, and so different (listed in the summary): the
 precision, Adam's beta2, the schedule, TRL's importance-sampling correction and gradient checkpointing.
 Held-out accuracy is greedy on both sides (ours: vLLM; TRL: the trained model's own generate, outside the timed
-step). Step time is the optimizer step's wall time without evaluation on both sides.
+step); held-out preference accuracy is the share of held-out pairs whose chosen response gets the higher implicit
+reward beta * log(pi / pi_ref), the reference being the initial model (a tie counts as wrong): DPO, TRL's own
+evaluation; KTO, which TRL evaluates on unpaired rows only, this script's pass over ours' held-out pairs (token ids
+as ours has them) with TRL's model, outside the timed step. Step time is the optimizer step's wall time without
+evaluation on both sides.
 """
 
 import argparse
@@ -33,16 +41,18 @@ sys.path.insert(0, ROOT)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("algo", choices=["grpo", "dpo"])
+    p.add_argument("algo", choices=["grpo", "dpo", "kto"])
     p.add_argument("--model", required=True, help="HF directory of the policy (e.g. SmolLM2-135M-Instruct)")
-    p.add_argument("--data", required=True, help="grpo: prompt/answer .jsonl; dpo: preference pairs (.jsonl.gz)")
+    p.add_argument("--data", required=True, help="grpo: prompt/answer .jsonl; dpo, kto: preference pairs "
+                   "(.jsonl.gz)")
     p.add_argument("--out", required=True, help="directory for both sides' runs and summary.json")
     p.add_argument("--gpus", default="0", help="one GPU: the sides run in turn; two (0,1): at the same time")
     p.add_argument("--seeds", type=int, nargs="+", default=[1])
-    p.add_argument("--steps", type=int, default=None, help="grpo: 30; dpo: one epoch of the training pairs")
+    p.add_argument("--steps", type=int, default=None, help="grpo: 30; dpo: one epoch of the training pairs; kto: "
+                   "one epoch of their rows")
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-size", type=int, default=None, help="held-out rows: grpo 128, dpo 312")
-    p.add_argument("--lr", type=float, default=None, help="grpo: 1e-5; dpo: 5e-6")
+    p.add_argument("--eval-size", type=int, default=None, help="held-out rows: grpo 128, dpo and kto 312 pairs")
+    p.add_argument("--lr", type=float, default=None, help="grpo: 1e-5; dpo, kto: 5e-6")
     # grpo
     p.add_argument("--prompt-key", default="question")
     p.add_argument("--answer-key", default="answer")
@@ -53,12 +63,13 @@ def parse_args(argv=None):
     p.add_argument("--prompt-template", default=None)
     p.add_argument("--rollout-gpu-memory", type=float, default=0.3, help="fraction of the GPU for vLLM (both sides); "
                    "above 1: GiB of KV cache, for several runs on one GPU")
-    # dpo
-    p.add_argument("--pairs-per-step", type=int, default=32)
+    # dpo and kto
+    p.add_argument("--pairs-per-step", type=int, default=32, help="dpo: pairs per step; kto: rows per step (TRL's "
+                   "effective batch: --trl-micro-batch x gradient accumulation)")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--trl-micro-batch", type=int, default=8, help="TRL's per-device batch (gradient accumulation "
-                   "makes up the step); ours packs by tokens")
+    p.add_argument("--trl-micro-batch", type=int, default=8, help="TRL's per-device batch of pairs (kto: rows; "
+                   "gradient accumulation makes up the step); ours packs by tokens")
     p.add_argument("--ours-flags", default="", help='more flags for our script, e.g. "--compile '
                    '--max-tokens-per-micro-batch 65536" (recorded in summary.json)')
     p.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
@@ -68,6 +79,9 @@ def parse_args(argv=None):
     grpo = args.algo == "grpo"
     args.eval_size = args.eval_size or (128 if grpo else 312)
     args.lr = args.lr or (1e-5 if grpo else 5e-6)
+    if not grpo and args.pairs_per_step % min(args.trl_micro_batch, args.pairs_per_step):
+        p.error(f"--pairs-per-step {args.pairs_per_step} must be a multiple of --trl-micro-batch "
+                f"{args.trl_micro_batch}: TRL's step is its micro-batches times gradient accumulation")
     return args
 
 
@@ -91,17 +105,20 @@ def ours_command(args, seed: int, out: str, port: int) -> list[str]:
         script = "dpo.py"
         common += ["--beta", str(args.beta), "--pairs-per-step", str(args.pairs_per_step), "--max-len",
                    str(args.max_len), "--ref-cache", os.path.join(out, "ref_cache")]
+        if args.algo == "kto":  # the pairs split into desirable and undesirable rows, each weighted 1
+            common += ["--loss-type", "kto", "--kto-desirable-weight", "1", "--kto-undesirable-weight", "1"]
     return ["torchrun", "--nproc_per_node", "1", "--master-port", str(port), os.path.join(ROOT, script), *common,
             *shlex.split(args.ours_flags)]
 
 
 # ----------------------------------------------------------------------------------------------------- TRL side
 class MetricsWriter:
-    """A TrainerCallback (duck-typed, so that this file imports TRL only in the worker) writing our metric names."""
+    """A TrainerCallback (duck-typed, so that this file imports TRL only in the worker) writing our metric names
+    (`names`: more of TRL's names -> ours, for this trainer's own metrics)."""
 
-    def __init__(self, path: str, loss_name: str, evaluate=None, eval_every: int = 0):
+    def __init__(self, path: str, loss_name: str, evaluate=None, eval_every: int = 0, names: dict | None = None):
         self.file, self.loss_name, self.evaluate, self.eval_every = open(path, "w"), loss_name, evaluate, eval_every
-        self.step_start, self.row = 0.0, {}
+        self.step_start, self.row, self.names = 0.0, {}, names or {}
 
     def write(self, step: int, row: dict) -> None:
         self.file.write(json.dumps({"step": step, **row}) + "\n")
@@ -118,7 +135,7 @@ class MetricsWriter:
     def on_log(self, args, state, control, logs=None, **kwargs):
         names = {"reward": "reward/mean", "rewards/accuracies": "rewards/accuracy", "loss": self.loss_name,
                  "eval_rewards/accuracies": "eval/preference_accuracy", "eval_loss": "eval/loss",
-                 "completions/mean_length": "response/length_mean"}
+                 "completions/mean_length": "response/length_mean", **self.names}
         row = {names[k]: v for k, v in (logs or {}).items() if k in names}
         if row.get("eval/preference_accuracy") is not None or "time/step" in self.row:
             self.write(state.global_step, {**row, **self.row})
@@ -150,14 +167,95 @@ def greedy_accuracy(model, tokenizer, rows, reward, max_new_tokens: int) -> dict
     return {"eval/accuracy": correct / len(rows)}
 
 
+def kto_rows(args, tokenizer) -> tuple[list[dict], list[dict], int]:
+    """(TRL's training rows, ours' held-out pairs, steps) for KTO, from dpo.py's own loader at dpo.py's defaults.
+
+    Ours trains on the pairs its tokenizer keeps (a pair the cut leaves without a response, or with two equal ones,
+    is dropped), each split into a desirable and an undesirable row, drawn `--pairs-per-step` rows a step by a
+    seeded sampler. TRL's KTOTrainer reads its rows in order (it rotates completions within a micro-batch for its
+    KL estimate), so it gets those rows' text, in the order ours' sampler draws them, one epoch: its step k trains
+    on ours' step k's rows. The held-out pairs are ours' token ids, for `pair_logps`."""
+    from types import SimpleNamespace
+
+    from common.data import PromptSampler
+    from common.model import stop_token_ids
+    from common.preferences import load_pairs, load_preference_rows, tokenize_pairs, unpair
+
+    # dpo.py's flags as the bench passes them, the others at dpo.py's defaults (tests/test_bench_vs_trl_kto.py
+    # checks them against dpo.Args).
+    ours = SimpleNamespace(loss_type="kto", dataset=args.data, dataset_config=None, prompt_key="prompt",
+                           chosen_key="chosen", rejected_key="rejected", completion_key="completion", label_key="label",
+                           eval_split="test", eval_size=args.eval_size, max_len=args.max_len,
+                           max_prompt_len=args.max_len // 2, chat_template=None, seed=args.seed)
+    stop_ids = stop_token_ids(args.model, tokenizer)
+    rows, held_out, _ = load_preference_rows(ours, tokenizer, stop_ids)
+    kept, tokenized = [], []
+    for pair in load_pairs(args.data)[0][:-args.eval_size]:
+        try:  # one pair at a time, to know which ones ours keeps
+            tokenized += tokenize_pairs([pair], tokenizer, ours.max_len, ours.chat_template, ours.max_prompt_len,
+                                        stop_ids)[0]
+            kept.append(pair)
+        except ValueError:  # "all 1 pairs were dropped"
+            pass
+    if [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in unpair(tokenized)] != \
+            [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in rows]:
+        raise SystemExit("error: the pairs kept here are not the rows dpo.py loads: has common/preferences.py's "
+                         "load_preference_rows changed? (kto_rows reproduces it)")
+    text = [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+            for pair in kept for side in ("chosen", "rejected")]  # unpair's order: rows[i] is text[i]
+    steps = args.steps or max(1, len(rows) // args.pairs_per_step)
+    sampler = PromptSampler(text, args.pairs_per_step, 0, 1, args.seed)  # as dpo.py's DatasetExamples on one rank
+    return [row for _ in range(steps) for row in sampler.next_batch()], held_out, steps
+
+
+def pair_logps(model, pairs: list[dict], micro_batch: int):
+    """[pairs, 2]: summed log-probs of each pair's chosen and rejected response after its prompt (token ids, as
+    ours tokenized them), by the model's own forward on right-padded micro-batches, in bf16 autocast on a GPU (as
+    TRL trains) and without gradients."""
+    import torch
+
+    was_training, device = model.training, model.device
+    model.eval()
+    sequences = [(p["prompt_ids"], p[side]) for p in pairs for side in ("chosen_ids", "rejected_ids")]
+    sums = []
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        for i in range(0, len(sequences), micro_batch):
+            batch = sequences[i:i + micro_batch]
+            width = max(len(prompt) + len(response) for prompt, response in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)  # labels: the response's tokens only
+            for j, (prompt, response) in enumerate(batch):
+                end = len(prompt) + len(response)
+                ids[j, :end], mask[j, :end] = torch.tensor(prompt + response), 1
+                labels[j, len(prompt):end] = torch.tensor(response)
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            targets = labels[:, 1:].to(device)  # [batch, seq - 1]: token t + 1 is predicted at t
+            logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
+            sums.append((logps.squeeze(-1) * (targets != -100)).sum(-1).cpu())
+    model.train(was_training)
+    return torch.cat(sums).view(-1, 2)
+
+
+def preference_metrics(logratios, beta: float) -> dict:
+    """Held-out metrics as ours names them, from log pi/pi_ref of each pair's responses [pairs, 2]: the share of
+    pairs whose chosen response gets the higher implicit reward beta * log-ratio (a tie counts as wrong), the mean
+    reward margin and DPO's loss on it (ours reports DPO's loss on held-out pairs under KTO too)."""
+    import torch.nn.functional as F
+
+    margins = beta * (logratios[:, 0] - logratios[:, 1])
+    return {"eval/preference_accuracy": (margins > 0).float().mean().item(), "eval/margin": margins.mean().item(),
+            "eval/loss": -F.logsigmoid(margins).mean().item()}
+
+
 def trl_worker(args) -> None:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer
+
+    from common.model import load_tokenizer
 
     out = args.out
     os.makedirs(out, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)  # as ours loads it (AutoTokenizer, or a word-level test model's own)
     bf16 = torch.cuda.is_available()
     common = dict(output_dir=os.path.join(out, "trl"), learning_rate=args.lr, bf16=bf16, use_cpu=not bf16,
                   logging_steps=1, save_strategy="no", report_to="none", seed=args.seed)
@@ -197,7 +295,7 @@ def trl_worker(args) -> None:
 
         writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), "loss/policy", evaluate, args.eval_every)
         writer.write(0, evaluate(trainer.model))
-    else:
+    elif args.algo == "dpo":
         from trl import DPOConfig, DPOTrainer
 
         from common.preferences import load_pairs
@@ -215,14 +313,37 @@ def trl_worker(args) -> None:
         metrics = trainer.evaluate()
         writer.write(0, {"eval/preference_accuracy": metrics["eval_rewards/accuracies"],
                          "eval/loss": metrics["eval_loss"]})
+    else:
+        from trl import KTOConfig, KTOTrainer
+
+        rows, held_out, steps = kto_rows(args, tokenizer)
+        micro = min(args.trl_micro_batch, args.pairs_per_step)
+        config = KTOConfig(**common, beta=args.beta, desirable_weight=1.0, undesirable_weight=1.0,
+                           max_length=args.max_len, num_train_epochs=1, max_steps=steps,
+                           per_device_train_batch_size=micro, gradient_accumulation_steps=args.pairs_per_step // micro)
+        trainer = KTOTrainer(model=args.model, args=config, processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(rows))
+        print(f"TRL KTO: {len(trainer.train_dataset)} of {len(rows)} rows kept ({steps} steps of "
+              f"{args.pairs_per_step}; a row whose prompt alone fills --max-len is dropped and shifts later steps)",
+              flush=True)
+        reference = pair_logps(trainer.model, held_out, micro)  # the initial model: pi_ref of every implicit reward
+
+        def evaluate(model):
+            return preference_metrics(pair_logps(model, held_out, micro) - reference, args.beta)
+
+        writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), "loss/preference", evaluate, args.eval_every,
+                               names={"kl": "kto/kl", "rewards/chosen": "rewards/desirable",
+                                      "rewards/rejected": "rewards/undesirable", "logps/chosen": "logps/desirable",
+                                      "logps/rejected": "logps/undesirable"})
+        writer.write(0, evaluate(trainer.model))
     trainer.add_callback(writer)
     trainer.train()
-    if args.algo == "grpo" and trainer.state.global_step % args.eval_every:
-        writer.write(trainer.state.global_step, greedy_accuracy(trainer.model, tokenizer, eval_rows,
-                                                               reward, args.max_response_len))
-    elif args.algo == "dpo" and trainer.state.global_step % args.eval_every:
-        metrics = trainer.evaluate()
-        writer.write(trainer.state.global_step, {"eval/preference_accuracy": metrics["eval_rewards/accuracies"]})
+    if trainer.state.global_step % args.eval_every:  # the last step, which no evaluation every --eval-every reached
+        if args.algo == "dpo":
+            metrics = trainer.evaluate()
+            writer.write(trainer.state.global_step, {"eval/preference_accuracy": metrics["eval_rewards/accuracies"]})
+        else:
+            writer.write(trainer.state.global_step, evaluate(trainer.model))
 
 
 def trl_command(args, seed: int, out: str) -> list[str]:
@@ -261,6 +382,20 @@ DIFFERENCES = {
            "pairs by tokens and computes reference log-probs once (cached), TRL pads micro-batches of "
            "--trl-micro-batch pairs and runs a reference model every step; schedule: ours 5 warmup steps then "
            "constant, TRL linear decay to 0; TRL checkpoints activations by default",
+    "kto": "reference point z0 (the KL estimate from mismatched prompt/completion pairs): ours one per step over all "
+           "its rows, each row's partner fixed for the run (a seeded draw among rows to other prompts); TRL one per "
+           "micro-batch of --trl-micro-batch rows, each row's partner the previous row's completion in that "
+           "micro-batch (the same prompt when a pair's two rows sit next to each other); reference log-probs: ours "
+           "computed once before training (cached), TRL runs a reference model every step (two extra forwards: "
+           "completions and KL partners); tokenization: ours the prompt and the completion apart, TRL prompt + "
+           "completion as one text (the completion from where they differ), both end it with EOS; truncation: ours "
+           "cuts the prompt from the left (keeping at least --max-len / 2 of its end) then the completion, TRL keeps "
+           "the start of prompt + completion and drops rows whose prompt alone fills --max-len (rows kept: in "
+           "trl_s*.log); ours packs rows by tokens, TRL pads micro-batches; precision: ours bf16 over fp32 master "
+           "weights (offline --precision auto), TRL bf16 autocast over fp32 weights; Adam beta2 0.99 (ours) vs "
+           "0.999; schedule: ours 5 warmup steps then constant, TRL linear decay to 0; TRL checkpoints activations "
+           "by default; held-out preference accuracy: ours from its packed evaluation against its cached reference, "
+           "TRL's model through this script's padded forward against the same model's log-probs before step 1",
 }
 
 

@@ -19,6 +19,8 @@
 #                      gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
 #   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
 #   vs-trl-dpo         scripts/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
+#   vs-trl-kto         scripts/bench_vs_trl.py kto: ours (dpo.py --loss-type kto) and TRL's KTOTrainer on the dpo-hh
+#                      data and settings, each pair a desirable and an undesirable row (32 rows a step, one epoch)
 #
 # At the scripts' defaults SmolLM2 trains in fp32 on both sides (--precision auto: under 0.3B parameters; dpo-hh, offline,
 # stays bf16); append --precision bf16 for the bf16 runs of benchmarks/README.md's earlier rows.
@@ -57,6 +59,8 @@ case $recipe in
   vs-trl-grpo) exec python scripts/bench_vs_trl.py grpo --model "$model" --data "$data/addition/train.jsonl" \
                    --gpus "${GPUS:-0}" --out "$out" "$@" ;;
   vs-trl-dpo)    exec python scripts/bench_vs_trl.py dpo --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
+                   --out "$out" "$@" ;;
+  vs-trl-kto)    exec python scripts/bench_vs_trl.py kto --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
                    --out "$out" "$@" ;;
   *) echo "error: unknown recipe $recipe (see the list at the top of $0)" >&2; exit 2 ;;
 esac
