@@ -8,6 +8,10 @@ Reward rule: 1.0 when the first number in the completion equals the answer, else
 is ignored, so the model need not learn to stop before it can be rewarded.
 The test split holds number triples that never appear in training in any order, so held-out accuracy measures a
 learned comparison, not recall of training prompts.
+
+The multi-turn version (`--env lookup`, `LookupEnv`): the largest of the three numbers is hidden ("max 7 ? 2 ="). A
+turn that is not a number (the word "lookup", say: one token) is a lookup call and gets the hidden number back; a
+turn that is a number ends the episode, scored as above. Without the lookup a model can only guess (about 1 in 30).
 """
 
 import itertools
@@ -18,7 +22,7 @@ NUM_VALUES = 30  # numbers 0..29, each one token
 NUMBERS_PER_PROMPT = 3
 TEST_FRACTION = 0.1  # of the distinct number sets; all orderings of a set land in the same split
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
-WORDS = ["max", "="] + [str(n) for n in range(NUM_VALUES)]
+WORDS = ["max", "="] + [str(n) for n in range(NUM_VALUES)] + ["lookup", "?"]  # the last two: --env lookup
 
 
 def build_tiny_tokenizer():
@@ -82,3 +86,24 @@ def make_synthetic_pairs(split: str, seed: int = 0) -> list[dict]:
         pairs.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": str(wrong),
                       "answer": row["answer"]})
     return pairs
+
+
+class LookupEnv:
+    """The built-in multi-turn task (--env lookup; the protocol: common/environments.py): "max 7 ? 2 =", where the
+    hidden number is always the largest, so the answer is what a lookup returns. A turn that is not a number (the
+    word "lookup", say) is the lookup call and gets the hidden number back; a turn that is a number is the answer,
+    scored as the single-turn task is."""
+
+    def __init__(self, row: dict):
+        numbers = row["prompt"].split()[1:-1]
+        hidden = max(range(len(numbers)), key=lambda i: int(numbers[i]))
+        self.value, self.answer = numbers[hidden], row["answer"]
+        self.prompt = " ".join(["max"] + ["?" if i == hidden else n for i, n in enumerate(numbers)] + ["="])
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": self.prompt}]
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        if not re.match(r"\s*-?\d", reply):  # not an answer: a lookup
+            return [{"role": "tool", "content": self.value}], 0.0, False
+        return [], synthetic_reward(self.prompt, reply, self.answer), True

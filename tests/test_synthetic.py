@@ -52,7 +52,8 @@ def test_tokenizer_round_trips_prompt_answer_and_save_load(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded("max 7 13 2 =")["input_ids"] == prompt_ids
     assert (loaded.eos_token, loaded.pad_token) == ("<eos>", "<pad>")
-    assert len(loaded) == len(tokenizer) == 3 + 2 + NUM_VALUES  # specials, "max" and "=", the numbers
+    # specials, "max" and "=", the numbers, and "lookup" and "?" of --env lookup
+    assert len(loaded) == len(tokenizer) == 3 + 2 + NUM_VALUES + 2
 
 
 def test_reward_reads_the_first_number():
