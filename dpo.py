@@ -35,13 +35,14 @@ from common.batching import plan_equal_micro_batches, share_samples_evenly
 from common.distributed import finish_distributed, sum_over_ranks
 from common.errors import check_ranges, run_main
 from common.logger import start_logging
+from common.logprobs import model_token_mask
 from common.model import load_model, load_tokenizer, shard_model
 from common.optim import clip_and_step, make_optimizer
 from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
-                                      example_logps, load_examples, response_pair)
+                                      example_logps, load_examples, response_lengths)
 from common.preferences import unpair
 from common.resume import Checkpoints
-from common.rollouts import RolloutArgs, Rollouts, check_rollout_args, fill_rollout_defaults
+from common.rollouts import RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rundir import RunArgs, open_run_dir
 from common.signals import stop_agreed
 from common.split import init_placement
@@ -141,7 +142,7 @@ def resolve_defaults(args: Args) -> None:
     args.lr = (1e-3 if args.model is None else 5e-7) if args.lr is None else args.lr
     args.max_len = (16 if builtin else 1024) if args.max_len is None else args.max_len
     args.max_prompt_len = args.max_prompt_len or (256 if args.online else args.max_len // 2)
-    args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
+    args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
     args.steps = args.steps or (150 if builtin else None)
     args.sft_weight = (1.0 if builtin else 0.0) if args.sft_weight is None else args.sft_weight
@@ -187,7 +188,9 @@ def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict
         worst = min(group, key=lambda s: s["score"])
         if best["score"] > worst["score"]:
             pairs.append({"prompt_ids": best["prompt_ids"], "chosen_ids": best["response_ids"],
-                          "rejected_ids": worst["response_ids"]})
+                          "rejected_ids": worst["response_ids"], **({"chosen_mask": model_token_mask(best),
+                                                                     "rejected_mask": model_token_mask(worst)}
+                                                                    if "response_mask" in best else {})})
             gaps.append(best["score"] - worst["score"])
     groups = len(samples) // args.group_size
     sums = {"groups": groups, "ties": groups - len(pairs), "reward_gap": sum(gaps)}
@@ -326,7 +329,7 @@ def micro_batch_losses(policy, examples: list[dict], args: Args, device, kl: flo
     preference_loss, KTO's rows through kto_loss with the step's reference point `kl`."""
     loss_type = loss_type or args.loss_type
     ref = torch.tensor([e["ref"] for e in examples], device=device)  # [n, 2]
-    lengths = torch.tensor([[len(r) for r in response_pair(e)] for e in examples], device=device).float()  # [n, 2]
+    lengths = torch.tensor([response_lengths(e) for e in examples], device=device).float()  # [n, 2], own tokens
     if loss_type == "kto":
         (logps,) = example_logps(policy, examples, which=(0,))
         good = torch.tensor([e["label"] for e in examples], device=device)

@@ -31,12 +31,12 @@ from common.batching import batching_metrics, mini_batches, pad_rows, plan_equal
 from common.distributed import finish_distributed, sum_over_ranks
 from common.errors import check_ranges, run_main
 from common.logger import start_logging
-from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths
+from common.logprobs import compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs, sample_lengths
 from common.model import load_model, load_tokenizer, shard_model
 from common.optim import clip_and_step, make_optimizer
 from common.resume import Checkpoints
-from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts,
-                             rollout_mismatch_metrics)
+from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
+                             load_prompts, rollout_mismatch_metrics)
 from common.rundir import RunArgs, open_run_dir
 from common.signals import stop_agreed
 from common.split import init_placement
@@ -194,11 +194,11 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on all ranks, so the
     gradient does not depend on how it is split. Samples are shuffled with `generator` each epoch (None keeps their
     order). Returns this rank's sums of the update's statistics."""
-    batch_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in samples)}, device)["t"]  # all groups
+    batch_tokens = sum_over_ranks({"t": model_tokens(samples)}, device)["t"]  # all groups
     samples = [s for s in samples if s["loss_weight"] > 0]  # no signal: exact zeros in every sum, so no passes
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):  # the same count on every rank
-        totals = sum_over_ranks({"tokens": sum(len(s["response_ids"]) * s["loss_weight"] for s in mini),
+        totals = sum_over_ranks({"tokens": sum(sum(model_token_mask(s)) * s["loss_weight"] for s in mini),
                                  "seqs": sum(s["loss_weight"] > 0 for s in mini)}, device)
         if totals["tokens"] == 0:  # every group in this mini-batch had equal rewards, on every rank
             continue
@@ -216,7 +216,8 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
                     s["old_logprobs"] = lp[:len(s["response_ids"])]
             else:
                 old = pad_rows([s["old_logprobs"] for s in mbs]).to(device)
-            mask = pad_rows([[s["loss_weight"]] * len(s["response_ids"]) for s in mbs]).to(device)
+            # 1 on the model's own tokens of samples with signal (0 on padding and on observations of episodes)
+            mask = pad_rows([[s["loss_weight"] * m for m in model_token_mask(s)] for s in mbs]).to(device)
             advantages = torch.tensor([[s["advantage"]] for s in mbs], device=device)  # [n, 1]
             ref = pad_rows([s["ref_logprobs"] for s in mbs]).to(device) if "ref_logprobs" in mbs[0] else None
             tis = None
@@ -268,7 +269,7 @@ def resolve_defaults(args: Args) -> None:
     """The flags left unset, from the task: the built-in one is tiny and starts from random weights."""
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
-    args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
+    args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
     args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
 

@@ -32,13 +32,13 @@ from common.batching import (batching_metrics, mini_batches, pad_rows, plan_equa
 from common.distributed import finish_distributed, sum_over_ranks
 from common.errors import check_ranges, run_main
 from common.logger import start_logging
-from common.logprobs import compute_logprobs, packed_response_logprobs, sample_lengths
+from common.logprobs import compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs, sample_lengths
 from common.model import load_model, load_tokenizer, shard_model
 from common.offload import Offloader
 from common.optim import clip_and_step, make_optimizer
 from common.resume import Checkpoints
-from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, fill_rollout_defaults, load_prompts,
-                             rollout_mismatch_metrics)
+from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
+                             load_prompts, rollout_mismatch_metrics)
 from common.rundir import RunArgs, open_run_dir
 from common.signals import stop_agreed
 from common.split import init_placement
@@ -230,15 +230,16 @@ def explained_variance(values, returns, mask) -> float:
 
 def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
     """Per-token rewards: -kl_coef * KL on every response token, plus the score on each row's last real token, where
-    the episode ends (at EOS or at the length limit). scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq].
+    the episode ends (at EOS or at the length limit; in a multi-turn episode, the model's last token). scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq].
     The KL is k1, logprobs - ref_logprobs, as in Ouyang et al.: summed over a sampled response it is an unbiased
     estimate of the sequence's KL, which the return carries back to every earlier token. ref_logprobs None: no KL
     term (kl is zeros). Returns (rewards, kl), both [batch, seq], 0 on padding."""
     kl = torch.zeros_like(mask) if ref_logprobs is None else torch.where(mask > 0, logprobs - ref_logprobs, 0.0)
     rewards = -kl_coef * kl
-    lengths = mask.sum(-1).long()  # right padding: the last real token sits at lengths - 1
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, positions, -1).max(dim=-1).values  # the last real (model's own) token of each row
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
     return rewards, kl
 
 
@@ -248,7 +249,9 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     rewards, values, mask: [batch, seq]; values[:, t] is V of the state before response token t. Backwards from
     the end: delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where V and A after
     the last real token are 0. A padded position leaves the running V_{t+1} and A_{t+1} as they were, so nothing of
-    it reaches a real token. Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding."""
+    it reaches a real token. The observation tokens of a multi-turn episode (mask 0, common/episodes.py) are not
+    actions and are skipped the same way: the model's last token before an observation bootstraps from V at its
+    first token after it, the state that includes the observation, with one step of discount. Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding."""
     real = mask > 0  # torch.where, not multiplying by the mask: a NaN in a padded value stays out too
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])  # [batch]
@@ -296,7 +299,8 @@ def add_advantages(samples: list[dict], args: Args, device) -> None:
     """Collective (whitening): per-token rewards (with the KL unless --kl-in-loss), GAE advantages and returns from
     the rollout-time values, and the advantages whitened over every rank's tokens."""
     for s in samples:
-        s["mask"] = torch.ones(len(s["response_ids"]))  # 1 on every response token: the updates read it too
+        # 1 on the model's own tokens (every response token, single-turn; not observations): the updates read it too
+        s["mask"] = torch.tensor(model_token_mask(s), dtype=torch.float32)
     mask = padded(samples, "mask", device)
     kl_coef = 0.0 if args.kl_in_loss else args.kl_coef
     ref = padded(samples, "ref_logprobs", device) if "ref_logprobs" in samples[0] else None
@@ -313,7 +317,7 @@ def update_critic(critic, optimizer, samples: list[dict], args: Args, world: int
     """Clipped value regression towards the returns, one optimizer step per mini-batch; returns this rank's sums."""
     sums = dict.fromkeys(["value_loss", "value_clipfrac", "critic_tokens", "critic_grad_norm", "critic_steps"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
-        num_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in mini)}, device)["t"]
+        num_tokens = sum_over_ranks({"t": model_tokens(mini)}, device)["t"]
         for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
             mbs = [mini[i] for i in mb]
             values = packed_values(critic, mbs)
@@ -340,7 +344,7 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     sums = dict.fromkeys(["policy_loss", "clipfrac", "approx_kl", "entropy", "policy_tokens", "grad_norm",
                           "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
-        num_tokens = sum_over_ranks({"t": sum(len(s["response_ids"]) for s in mini)}, device)["t"]
+        num_tokens = sum_over_ranks({"t": model_tokens(mini)}, device)["t"]
         for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
             mbs = [mini[i] for i in mb]
             logprobs, entropy = packed_response_logprobs(policy, mbs, args.temperature, with_entropy=True)
@@ -392,7 +396,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as the rollout gave them (this
     rank's share of generation); samples: this rank's training share, with scores, values and advantages."""
     lengths = sample_lengths(samples)
-    cat = lambda key: torch.cat([s[key] for s in samples]) if samples else torch.zeros(0)
+    cat = lambda key: torch.cat([s[key][s["mask"] > 0] for s in samples]) if samples else torch.zeros(0)  # own tokens
     advantages, values, returns = cat("raw_advantages"), cat("old_values"), cat("returns")
     kl = (cat("old_logprobs") - cat("ref_logprobs")) if "ref_logprobs" in samples[0] else torch.zeros(0)
     sums = sum_over_ranks({
@@ -430,7 +434,7 @@ def resolve_defaults(args: Args) -> None:
     """The flags left unset, from the task: the built-in one is tiny and starts from random weights."""
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
-    args.max_response_len = (2 if builtin else 1024) if args.max_response_len is None else args.max_response_len
+    args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
     args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
     args.critic_lr = (1e-3 if args.model is None else 1e-5) if args.critic_lr is None else args.critic_lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto

@@ -1,8 +1,10 @@
 """Rollout engines: turn prompt token ids into sampled responses with their log-probs.
 
-Every engine has the same four methods, so the training loop never knows which one it drives:
+Every engine has the same five methods, so the training loop never knows which one it drives:
 `generate` (token ids in, token ids and, if asked, sampled-token log-probs out; each prompt's group also goes to an
 optional `on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate),
+`run_turns` (multi-turn episodes: one turn per request, new requests arriving while others generate; see
+common/episodes.py),
 `update_weights` (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights`
 (verify the last sync).
 `HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
@@ -12,12 +14,14 @@ one is built, so this module imports anywhere. Both return `Completion`s (common
 
 import contextlib
 import importlib.util
+import itertools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.completion import Completion
+from common.distributed import max_over_ranks
 from common.errors import user_error
 from common.vllm_engine import VLLMRolloutEngine
 
@@ -82,6 +86,28 @@ class HFRolloutEngine:
             on_finish(i, group)
         return groups
 
+    def run_turns(self, runner, temperature: float, top_p: float, seed: int,
+                  greedy: bool = False, logprobs: bool = True, stop_token_ids: list[int] = ()) -> None:
+        """Multi-turn episodes in lock-step rounds: every turn ready (waiting for the environments' answers to the
+        last round) is generated in one batch. Collective: FSDP's generate runs on every rank the same number of
+        times, so a rank whose episodes ended runs a one-token dummy until all are done. Round r is seeded with
+        seed + r: round 0 samples exactly what `generate` would for the same prompts."""
+        stops = self.stop_token_ids
+        self.stop_token_ids = list(dict.fromkeys([*stops, *stop_token_ids]))
+        try:
+            for round_ in itertools.count():
+                turns = runner.next_turns(block=True, every=True)
+                if not decided_by_any_rank(bool(turns), next(self.model.parameters()).device):
+                    return
+                prompts = [t.prompt_ids for t in turns] or [[self.pad_token_id]]
+                groups = self.generate(prompts, n=1, max_tokens=max([t.max_tokens for t in turns] or [1]),
+                                       temperature=temperature, top_p=top_p, seed=seed + round_, greedy=greedy,
+                                       logprobs=logprobs)
+                for turn, (completion,) in zip(turns, groups):
+                    runner.finish(turn.key, cut_to(completion, turn.max_tokens))
+        finally:
+            self.stop_token_ids = stops
+
     def update_weights(self, model) -> dict[str, float]:
         return {}  # generates with the trained model itself
 
@@ -90,6 +116,21 @@ class HFRolloutEngine:
 
     def check_weights(self, model) -> None:
         pass
+
+
+def decided_by_any_rank(flag: bool, device) -> bool:
+    """Collective (where torch.distributed runs): whether `flag` holds on any rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    return bool(max_over_ranks(float(flag), device))
+
+
+def cut_to(completion: Completion, max_tokens: int) -> Completion:
+    """A completion generated in a batch with a larger max_tokens, as if it had been generated with max_tokens."""
+    if len(completion.response_ids) <= max_tokens:
+        return completion
+    return Completion(completion.response_ids[:max_tokens],
+                      None if completion.logprobs is None else completion.logprobs[:max_tokens], False)
 
 
 @contextlib.contextmanager

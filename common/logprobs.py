@@ -262,6 +262,17 @@ def sample_lengths(samples: list[dict]) -> list[int]:
     return [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
 
 
+def model_token_mask(sample: dict) -> list[int]:
+    """1 on each response token the model generated, 0 on a multi-turn episode's observation tokens (its
+    "response_mask", common/episodes.py): what losses, log-prob statistics and token counts take."""
+    return sample.get("response_mask") or [1] * len(sample["response_ids"])
+
+
+def model_tokens(samples: list[dict]) -> int:
+    """How many response tokens of `samples` the model generated (all of them, single-turn)."""
+    return sum(sum(model_token_mask(s)) for s in samples)
+
+
 def packed_response_logprobs(model, samples: list[dict], temperature: float, with_entropy: bool = False):
     """Packs prompt + response of each sample into one row; returns per-sample response log-probs (and entropies).
     An empty `samples` runs a dummy sequence (a rank's zero-weight filler pass)."""

@@ -33,6 +33,20 @@ def response_pair(example: dict) -> tuple[list[int], list[int]]:
     return example["completion_ids"], example["kl_ids"]
 
 
+def response_masks(example: dict) -> tuple[list[int] | None, list[int] | None]:
+    """The masks of response_pair's two responses where they are multi-turn episodes (1 on the model's own tokens, 0
+    on observations: only the model's tokens count), else None."""
+    if "chosen_ids" in example:
+        return example.get("chosen_mask"), example.get("rejected_mask")
+    return example.get("completion_mask"), example.get("kl_mask")
+
+
+def response_lengths(example: dict) -> list[int]:
+    """How many of each response's tokens are the model's own (all of them, but for multi-turn episodes)."""
+    return [len(ids) if mask is None else sum(mask) for ids, mask in zip(response_pair(example),
+                                                                       response_masks(example))]
+
+
 def example_length(example: dict) -> int:
     """Tokens an example takes in a packed micro-batch: the prompt twice, both responses once."""
     first, second = response_pair(example)
@@ -41,11 +55,14 @@ def example_length(example: dict) -> int:
 
 def example_logps(model, examples: list[dict], which: tuple[int, ...] = (0, 1)) -> list[torch.Tensor]:
     """Summed log-probs [examples] of the responses `which` (0: chosen / completion, 1: rejected / KL partner) of
-    every example, all in one packed forward; an empty `examples` runs a dummy (a rank's zero-weight filler pass),
+    every example (of the model's own tokens, where a response is a multi-turn episode), all in one packed forward; an empty `examples` runs a dummy (a rank's zero-weight filler pass),
     and each result is then its one value."""
-    sequences = [dict(prompt_ids=e["prompt_ids"], response_ids=response_pair(e)[k]) for e in examples for k in which]
+    sequences = [dict(prompt_ids=e["prompt_ids"], response_ids=response_pair(e)[k], mask=response_masks(e)[k])
+                 for e in examples for k in which]
     logprobs, _ = packed_response_logprobs(model, sequences, temperature=1.0)
-    sums = torch.stack([lp.sum() for lp in logprobs])  # example-major: [e0 r0, e0 r1, e1 r0, ...]
+    masks = [s["mask"] for s in sequences] or [None]  # none: the dummy pass
+    sums = torch.stack([lp.sum() if mask is None else (lp * torch.tensor(mask, device=lp.device)).sum()
+                        for lp, mask in zip(logprobs, masks)])  # example-major: [e0 r0, e0 r1, e1 r0, ...]
     return [sums[k::len(which)] for k in range(len(which))] if examples else [sums] * len(which)
 
 

@@ -294,7 +294,8 @@ def has_columns(dataset: str, columns: list[str], config: str | None = None, spl
 def unpair(rows: list[dict], max_len: int | None = None, seed: int = 0) -> list[dict]:
     """Tokenized pairs -> KTO's unpaired rows: the chosen response desirable, the rejected one undesirable; with
     max_len, each with its KL partner (add_kl_partners)."""
-    rows = [{"prompt_ids": row["prompt_ids"], "completion_ids": row[side], "label": side == "chosen_ids"}
+    rows = [{"prompt_ids": row["prompt_ids"], "completion_ids": row[side], "label": side == "chosen_ids",
+             **({"completion_mask": row[side.replace("_ids", "_mask")]} if "chosen_mask" in row else {})}
             for row in rows for side in ("chosen_ids", "rejected_ids")]
     return rows if max_len is None else add_kl_partners(rows, max_len, seed)
 
@@ -311,6 +312,8 @@ def add_kl_partners(rows: list[dict], max_len: int, seed: int) -> list[dict]:
         partner = next((rows[order[(k + d) % len(rows)]] for d in range(1, len(rows))
                         if rows[order[(k + d) % len(rows)]]["prompt_ids"] != row["prompt_ids"]), row)
         row["kl_ids"] = partner["completion_ids"][:max(1, max_len - len(row["prompt_ids"]))]
+        if "completion_mask" in partner:  # multi-turn episodes: the model's own tokens only
+            row["kl_mask"] = partner["completion_mask"][:len(row["kl_ids"])]
     return rows
 
 

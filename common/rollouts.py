@@ -30,9 +30,11 @@ from common.data import PromptSampler, load_train_eval, tokenize_prompts
 from common.distributed import (all_reduce_sum, decided_by_rank0, finish_distributed, max_over_ranks,
                                 raise_on_all_ranks)
 from common.engines import NonFiniteLogits, make_rollout_engine, resolve_engine_kind
+from common.environments import load_env_factory
+from common.episodes import MultiTurn, episode_sample
 from common.errors import check_ranges
 from common.logger import StageTimer
-from common.logprobs import use_packed_attention
+from common.logprobs import model_token_mask, use_packed_attention
 from common.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
 from common.perf import memory_in_use
 from common.rewards import RewardScorer, load_reward_fn
@@ -40,6 +42,7 @@ from common.signals import install_stop_handlers, request_stop, stop_agreed, sto
 from common.split import (STOP, behaviour_version, check_shapes, close_link, eval_versions, load_into_module,
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
                           staleness_metrics, stop_rollout_ranks, weight_versions)
+from common.tools import check_sandbox
 from sharding.vllm_sync import trainer_weights, weight_shapes
 
 
@@ -54,8 +57,9 @@ class RolloutArgs:
     max_response_len: int | None = None
     """maximum new tokens per response (generation also stops at EOS); unset: 2 for the built-in task, else 1024"""
     reward_workers: int | None = None
-    """processes per rank that run the reward, scoring each prompt's responses as soon as they are generated, while
-    the rest still generate; unset: 2 with vLLM, 1 with hf (whose generate returns every response at once)"""
+    """processes per rank that run the reward (or the environments, with --env / --tools), scoring each prompt's
+    responses as soon as they are generated, while the rest still generate; unset: 2 with vLLM, 1 with hf (whose
+    generate returns every response at once)"""
     reward_timeout: float | None = 30.0
     """seconds one reward call may take: a slower one is stopped (its process killed and replaced), scores 0 and is
     counted (reward/timeouts); None: no limit"""
@@ -100,13 +104,38 @@ class RolloutArgs:
     and PPO correct it with --tis-cap)"""
     max_staleness: int = 1
     """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
+    env: str | None = None
+    """multi-turn episodes: path/to/env.py:make_env (an environment per episode, built from its dataset row; the
+    protocol is in common/environments.py) or lookup (the built-in task with one number hidden behind a lookup
+    call); unset: one response per prompt"""
+    tools: str | None = None
+    """multi-turn episodes with tools the model calls: calculator, python (sandboxed), path/to/tools.py (its public
+    functions), comma-separated; a turn without a tool call is the answer, scored by --reward-fn"""
+    max_turns: int = 4
+    """with --env / --tools: assistant turns per episode at most (an episode cut here is truncated)"""
+    max_turn_len: int | None = None
+    """with --env / --tools: new tokens per assistant turn at most; unset: 1 for lookup, else what is left of
+    --max-response-len (which counts every turn's and observation's tokens)"""
+    env_timeout: float | None = 60.0
+    """with --env / --tools: seconds one environment call (a reset, or a step with the tools it runs) may take; a
+    slower one is stopped (its process killed), its episode ends with reward 0 and is counted (episode/env_timeouts)"""
+
+
+def default_response_len(args) -> int:
+    """--max-response-len unset: 2 tokens for the built-in task (one number, then anything), 6 for its multi-turn
+    version (lookup, the hidden number, the answer, with room for a second lookup), else 1024."""
+    if args.dataset is None:
+        return 6 if args.env == "lookup" else 2
+    return 1024
 
 
 def fill_rollout_defaults(args) -> None:
     """The rollout flags left unset: the engine (vLLM where CUDA and vllm are), 2 reward processes per rank with
-    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async rollouts, and
-    --precision auto (common/model.py's pick_precision)."""
+    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async rollouts, one
+    token per turn for --env lookup, and --precision auto (common/model.py's pick_precision)."""
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
+    if args.env == "lookup" and args.max_turn_len is None:
+        args.max_turn_len = 1
     args.precision = pick_precision(args.precision, args.model)
     if args.reward_workers is None:
         args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
@@ -116,9 +145,10 @@ def fill_rollout_defaults(args) -> None:
 
 def check_rollout_args(args, num_trainers: int) -> None:
     """One line for rollout flags that cannot work together (before any model is loaded)."""
-    check_ranges(args, positive=["temperature", "top_p", "reward_timeout", "rollout_gpu_memory"],
+    check_ranges(args, positive=["temperature", "top_p", "reward_timeout", "rollout_gpu_memory", "env_timeout"],
                  at_least_one=["prompts_per_step", "max_response_len", "max_prompt_len", "reward_workers",
-                               "rollout_tp", "max_staleness"], non_negative=["rollout_ranks"])
+                               "rollout_tp", "max_staleness", "max_turns", "max_turn_len"],
+                 non_negative=["rollout_ranks"])
     if args.top_p > 1:
         raise ValueError(f"--top-p must be at most 1, got {args.top_p}")
     if args.rollout_sleep_level not in (None, 0, 1, 2):
@@ -136,6 +166,10 @@ def check_rollout_args(args, num_trainers: int) -> None:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
     if args.reward_fn is not None:  # (resolve_defaults sets it) a bad reward spec fails now, before any model loads
         load_reward_fn(args.reward_fn)
+    if wants_episodes(args):  # a bad --env / --tools too, and a machine where the python tool has no sandbox
+        load_env_factory(args.env, args.tools, args.reward_fn)
+        if "python" in args.tools.split(",") if args.tools else False:
+            check_sandbox()
 
 
 def load_prompts(args, tokenizer) -> tuple[list[dict], list[dict], list[str]]:
@@ -211,7 +245,7 @@ class Rollouts:
         # that checkpoints save (batches are a function of the step, so both sides agree).
         self.sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank,
                                      placement.world, args.seed)
-        self.engine = self.scorer = None
+        self.engine = self.scorer = self.multi_turn = None
         if placement.split:
             logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout "
                          f"ranks" + (f", async (max staleness {args.max_staleness})"
@@ -222,6 +256,7 @@ class Rollouts:
         else:
             self.staleness = 0
             self.scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers)
+            self.multi_turn = MultiTurn(args, tokenizer) if wants_episodes(args) else None
             model_dir = os.path.join(output_dir, "model_config")  # architecture only: vLLM starts with dummy weights
             if placement.rank == 0:
                 save_model_config(args.model, tokenizer, model_dir)
@@ -274,14 +309,14 @@ class Rollouts:
         metrics = self._sync()
         prompts = self.sampler.next_batch()
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
-            outputs = sample_batch(self.engine, self.scorer, self.tokenizer, prompts, self.args, step)
+            outputs = sample_batch(self.engine, self.scorer, self.multi_turn, self.tokenizer, prompts, self.args, step)
         if self.device.type == "cuda":
             self.rollout_memory = memory_in_use(self.device)
         self._sleep()
         with self.timer("reward"):  # what scoring adds after generation; a failure anywhere stops every rank
-            samples, timeouts = scored_samples(prompts, outputs, self.scorer, version=step - 1)
+            samples, timeouts = scored_samples(prompts, outputs, self.scorer, self.multi_turn, version=step - 1)
         metrics["reward/timeouts"] = all_reduce_sum([timeouts], self.device)[0]
-        return samples, metrics
+        return samples, {**metrics, **episode_metrics(samples, self.device)}
 
     def publish(self, step: int, stop: bool = False) -> dict[str, float]:
         """After the update of `step`: the policy is now version `step`. Colocated, the engine takes it before it
@@ -308,7 +343,7 @@ class Rollouts:
             return {}
         self._sync()  # its metrics are the rollout's: the step already logs its own sync
         with self.timer("eval"):
-            result = evaluate(self.engine, self.eval_rows, self.scorer, self.tokenizer, self.args,
+            result = evaluate(self.engine, self.eval_rows, self.scorer, self.multi_turn, self.tokenizer, self.args,
                               self.placement.rank, self.placement.world, self.device)
         self._sleep()
         self.first_eval = self.first_eval or result
@@ -321,6 +356,8 @@ class Rollouts:
             stop_rollout_ranks(self.placement, self.device)
         if self.scorer is not None:
             self.scorer.close()
+        if self.multi_turn is not None:
+            self.multi_turn.close()
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the data position and the evaluations so far."""
@@ -388,6 +425,7 @@ class Rollouts:
         samples = batch["samples"]
         metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
         metrics["reward/timeouts"] = batch["reward_timeouts"]
+        metrics.update(episode_metrics(samples, self.device))
         self.arrived_evals.update(batch["evals"])  # reported by publish
         # How many updates old the weights that generated this batch were.
         lag = staleness_metrics([s["version"] for s in samples], step - 1, self.staleness)
@@ -409,6 +447,23 @@ class Rollouts:
         return {**evals[-1][1], "eval/version": evals[-1][0]} if evals else {}
 
 
+def wants_episodes(args) -> bool:
+    """Multi-turn episodes (--env or --tools) instead of one response per prompt."""
+    return args.env is not None or args.tools is not None
+
+
+def episode_metrics(samples: list[dict], device) -> dict[str, float]:
+    """Collective: per episode, over every rank's samples (multi-turn only): turns, tool calls, tool errors,
+    seconds spent in the environment, and how many environment calls ran past --env-timeout."""
+    if "turns" not in (samples[0] if samples else {}):
+        return {}
+    names = ["turns", "tool_calls", "tool_errors", "env_seconds", "env_timeout"]
+    *sums, count = all_reduce_sum([sum(float(s[n]) for s in samples) for n in names] + [len(samples)], device)
+    metrics = {f"episode/{n}_mean": total / max(count, 1) for n, total in zip(names[:3], sums)}
+    metrics.update({"episode/env_timeouts": sums[4], "time/env_per_episode": sums[3] / max(count, 1)})
+    return metrics
+
+
 def wants_rollout_logprobs(args, step: int) -> bool:
     """Whether step's rollout asks the engine for the sampled tokens' log-probs: every step with --tis-cap (the
     loss needs them), else every --logprob-diff-every steps from the first, for the rollout/logprob_diff metric
@@ -423,12 +478,13 @@ def mismatch_metrics(samples: list[dict], cap: float) -> dict:
     rank's samples that carry them (not every step asks for them: wants_rollout_logprobs): the absolute difference
     and the token count (rollout/logprob_diff), and the truncated importance weights min(p_old / p_behaviour, cap)
     that correct for the engine's numerical mismatch and older weights: the weight sum, how many tokens were
-    capped, and the largest uncapped ratio."""
+    capped, and the largest uncapped ratio. Observation tokens of episodes are not the model's: left out."""
     measured = [s for s in samples if s["logprobs"] is not None]
     if not measured:
         return {"lp_diff": 0.0, "lp_tokens": 0, "tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
-    diff = torch.cat([s["old_logprobs"] for s in measured]) - torch.cat(
-        [torch.as_tensor(s["logprobs"], dtype=torch.float32) for s in measured])
+    generated = torch.cat([torch.as_tensor(model_token_mask(s), dtype=torch.bool) for s in measured])
+    diff = (torch.cat([s["old_logprobs"] for s in measured]) - torch.cat(
+        [torch.as_tensor(s["logprobs"], dtype=torch.float32) for s in measured]))[generated]  # the model's tokens
     ratio = diff.exp()
     return {"lp_diff": diff.abs().sum().item(), "lp_tokens": diff.numel(),
             "tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
@@ -462,9 +518,13 @@ def generate_and_score(engine, scorer: RewardScorer, tokenizer, rows: list[dict]
     return engine.generate([r["prompt_ids"] for r in rows], on_finish=score, **sampling)
 
 
-def sample_batch(engine, scorer: RewardScorer, tokenizer, prompts: list[dict], args, step: int) -> list[list]:
-    """generate_and_score for the batch of `step`: --group-size responses per prompt, sampled."""
+def sample_batch(engine, scorer: RewardScorer, multi_turn: MultiTurn | None, tokenizer, prompts: list[dict], args,
+                 step: int) -> list[list]:
+    """generate_and_score for the batch of `step`: --group-size responses per prompt, sampled (with --env /
+    --tools: --group-size episodes per prompt, common/episodes.py)."""
     try:
+        if multi_turn is not None:
+            return multi_turn.sample(engine, prompts, args.seed * 1_000_003 + step, wants_rollout_logprobs(args, step))
         return generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
                                   max_tokens=args.max_response_len, temperature=args.temperature, top_p=args.top_p,
                                   seed=args.seed * 1_000_003 + step, logprobs=wants_rollout_logprobs(args, step))
@@ -487,9 +547,12 @@ def collect_rewards(scorer: RewardScorer) -> tuple[list[list[float]], int]:
     return rewards, timeouts
 
 
-def scored_samples(prompts: list[dict], outputs, scorer: RewardScorer, version: int) -> tuple[list[dict], int]:
+def scored_samples(prompts: list[dict], outputs, scorer: RewardScorer, multi_turn: MultiTurn | None,
+                   version: int) -> tuple[list[dict], int]:
     """Collective (rewards): one dict per response, prompt-major, with its reward and the weight version that
-    generated it; and the number of reward calls that timed out."""
+    generated it; and the number of reward calls that timed out. Episodes come scored by their environments."""
+    if multi_turn is not None:
+        return [episode_sample(episode, version) for group in outputs for episode in group], 0
     rewards, timeouts = collect_rewards(scorer)
     samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs, finished=c.finished,
                     reward=r, version=version)
@@ -497,15 +560,18 @@ def scored_samples(prompts: list[dict], outputs, scorer: RewardScorer, version: 
     return samples, timeouts
 
 
-def evaluate(engine, eval_rows, scorer, tokenizer, args, rank: int, world: int, device) -> dict[str, float]:
-    """Greedy pass@1 and mean reward on the held-out prompts, split evenly over ranks."""
+def evaluate(engine, eval_rows, scorer, multi_turn, tokenizer, args, rank: int, world: int, device) -> dict[str, float]:
+    """Greedy pass@1 and mean reward on the held-out prompts (or episodes), split evenly over ranks."""
     per_rank = -(-len(eval_rows) // world)
     mine = eval_rows[rank * per_rank:(rank + 1) * per_rank]
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     mine = mine + [eval_rows[0]] * (per_rank - len(mine))  # every rank generates the same number of prompts
-    generate_and_score(engine, scorer, tokenizer, mine, n=1, max_tokens=args.max_response_len, temperature=1.0,
-                       top_p=1.0, seed=0, greedy=True, logprobs=False)
-    rewards = [group[0] for group in collect_rewards(scorer)[0]]
+    if multi_turn is not None:
+        rewards = multi_turn.greedy_rewards(engine, mine)
+    else:
+        generate_and_score(engine, scorer, tokenizer, mine, n=1, max_tokens=args.max_response_len, temperature=1.0,
+                           top_p=1.0, seed=0, greedy=True, logprobs=False)
+        rewards = [group[0] for group in collect_rewards(scorer)[0]]
     total, reward_sum, correct = all_reduce_sum(
         [sum(weights), sum(w * r for w, r in zip(weights, rewards)), sum(w * (r > 0) for w, r in zip(weights, rewards))],
         device)
@@ -530,6 +596,7 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
     if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
         return finish_distributed(exit_process=True)
     scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers)
+    multi_turn = MultiTurn(args, tokenizer) if wants_episodes(args) else None
     model_dir = save_model_config(args.model, tokenizer, os.path.join(output_dir, f"model_config_rollout{placement.rank}"))
     stop_ids = stop_token_ids(args.model, tokenizer)
     if args.rollout_engine == "vllm":
@@ -570,7 +637,7 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             held = received
             if held in to_evaluate and evaluating:
                 with timer("eval"):
-                    evals[held] = evaluate(engine, eval_rows, scorer, tokenizer, args, placement.rank,
+                    evals[held] = evaluate(engine, eval_rows, scorer, multi_turn, tokenizer, args, placement.rank,
                                            placement.world, device)
         return True
 
@@ -591,9 +658,9 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             break
         prompts = sampler.next_batch()
         with timer("generate"):
-            outputs = sample_batch(engine, scorer, tokenizer, prompts, args, step)
+            outputs = sample_batch(engine, scorer, multi_turn, tokenizer, prompts, args, step)
         with timer("reward"):  # what scoring adds after generation
-            samples, reward_timeouts = scored_samples(prompts, outputs, scorer, version=held)
+            samples, reward_timeouts = scored_samples(prompts, outputs, scorer, multi_turn, version=held)
         stop = stop_agreed(device)  # collective over the rollout ranks: a signal here makes this batch the last
         send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts,
               "stop": stop and (stop_requested() or "a stop signal on another rollout rank")})
@@ -610,4 +677,6 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         pending.popleft().wait()
     close_link(placement)
     scorer.close()
+    if multi_turn is not None:
+        multi_turn.close()
     finish_distributed(exit_process=True)

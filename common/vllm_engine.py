@@ -31,7 +31,7 @@ from common.completion import Completion
 from sharding.vllm_sync import check_weight_sync, sync_weights_to_vllm
 
 
-def request_seed(step_seed: int, replica: int, request_index: int) -> int:
+def request_seed(step_seed: int, replica: int, request_index: int | str) -> int:
     """A sampling seed per request: equal on the ranks of one replica, different across replicas and steps.
 
     vLLM seeds the n samples of a request with seed, seed + 1, ..., seed + n - 1; hashing spreads the requests'
@@ -144,13 +144,7 @@ class VLLMRolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:  # rollout without a sync since the last sleep: the last synced weights are still good
-            if self.slept_at == 2:
-                raise RuntimeError("the engine slept at level 2 and has no weights: call update_weights first")
-            if self.slept_at == 1:
-                self._make_room("weights")
-                self.llm.wake_up(tags=["weights"])
-            self._wake_kv_cache()
+        self._wake_for_generation()
         by_rank = self._gather_prompts(prompt_ids)
         requests = [TokensPrompt(prompt_token_ids=p) for rank_prompts in by_rank for p in rank_prompts]
         params = [SamplingParams(
@@ -177,6 +171,46 @@ class VLLMRolloutEngine:
         if None in results:
             raise RuntimeError(f"vLLM finished without {results.count(None)} of this rank's {len(results)} requests")
         return results
+
+    def run_turns(self, runner, temperature: float, top_p: float, seed: int,
+                  greedy: bool = False, logprobs: bool = True, stop_token_ids: list[int] = ()) -> None:
+        """Multi-turn episodes as a stream (common/episodes.py): each turn the runner hands out is enqueued at once
+        and the engine steps on, so turns of episodes at different depths share its batches and prefix cache. The
+        ranks of a tensor-parallel replica exchange their new turns before every engine step (all of them feed the
+        engine the same requests) and stop together once all their episodes have ended."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._wake_for_generation()
+        engine, keys = self.llm.llm_engine, {}  # request id -> (TP rank that asked, episode key)
+        stops = list(dict.fromkeys([*self.stop_token_ids, *stop_token_ids]))
+        while True:
+            idle = not engine.has_unfinished_requests()
+            turns = runner.next_turns(block=idle)
+            by_rank = [(turns, runner.done())]
+            if self.tp_group is not None:
+                by_rank = [None] * self.tp_size
+                dist.all_gather_object(by_rank, (turns, runner.done()), group=self.tp_group)
+            if idle and all(done for _, done in by_rank) and not any(t for t, _ in by_rank):
+                return
+            requests, params, asked = [], [], []
+            for rank, (rank_turns, _) in enumerate(by_rank):
+                for turn in rank_turns:
+                    requests.append(TokensPrompt(prompt_token_ids=turn.prompt_ids))
+                    params.append(SamplingParams(
+                        n=1, max_tokens=turn.max_tokens, temperature=0.0 if greedy else temperature,
+                        top_p=1.0 if greedy else top_p, seed=request_seed(seed, self.replica, f"{turn.key}/{turn.turn}"),
+                        stop_token_ids=stops, logprobs=0 if logprobs else None, flat_logprobs=True,
+                        detokenize=False))
+                    asked.append((rank, turn.key))
+            if requests:
+                ids = self.llm.enqueue(requests, params, use_tqdm=False)
+                keys.update({request_id.split("-", 1)[0]: who for request_id, who in zip(ids, asked)})
+            if engine.has_unfinished_requests():
+                for output in engine.step():
+                    rank, key = keys[output.request_id]
+                    if output.finished and rank == self.tp_rank:
+                        runner.finish(key, to_completion(output.outputs[0]))
 
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Collective: brings the trainer's current weights into vLLM, waking it up around them."""
@@ -215,6 +249,15 @@ class VLLMRolloutEngine:
         else:
             self.llm.sleep(level=self.sleep_level)
         self.asleep, self.slept_at = True, self.sleep_level  # waking follows slept_at, even if sleep_level changes
+
+    def _wake_for_generation(self) -> None:
+        if self.asleep:  # rollout without a sync since the last sleep: the last synced weights are still good
+            if self.slept_at == 2:
+                raise RuntimeError("the engine slept at level 2 and has no weights: call update_weights first")
+            if self.slept_at == 1:
+                self._make_room("weights")
+                self.llm.wake_up(tags=["weights"])
+            self._wake_kv_cache()
 
     def _wake_kv_cache(self) -> None:
         self._make_room("kv_cache")

@@ -253,3 +253,49 @@ def test_samples_without_signal_get_no_pass_and_change_nothing_and_all_token_mea
     for name, initial in results["initial"]["state"].items():
         torch.testing.assert_close(results["all-token-mean"]["state"][name] - initial,
                                    scale * (results["informative"]["state"][name] - initial), rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-turn episodes: observation tokens (response_mask 0) are context, never part of the loss.
+
+def episode_batch(observation_logprob: float, mask_observations: bool = True):
+    """fixed_batch with an observation of two tokens inside every response of 3+ tokens (after its first token),
+    whose engine log-probs are `observation_logprob` (the rollout sets 0.0 there: any value must do)."""
+    samples = fixed_batch()
+    for s in samples:
+        s["response_ids"] = s["response_ids"][:1] + [7, 8] + s["response_ids"][1:]
+        s["response_mask"] = [1, 0 if mask_observations else 1, 0 if mask_observations else 1] + \
+            [1] * (len(s["response_ids"]) - 3)
+        s["logprobs"] = [-1.0, observation_logprob, observation_logprob] + [-1.0] * (len(s["response_ids"]) - 3)
+    return samples
+
+
+def update_episodes(rank: int, port: int, out_dir: str):
+    init_gloo(rank, 1, port)
+    results = {}
+    for name, batch in [("a", episode_batch(0.0)), ("b", episode_batch(-30.0)), ("unmasked", episode_batch(0.0, False))]:
+        model = shard_model(tiny_model(), torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        args = grpo.Args(max_response_len=7, tis_cap=2.0, loss_agg="all-token-mean", num_mini_batches=2)
+        for s, lp in zip(batch, compute_logprobs(model, batch, 64, 1.0, torch.device("cpu"))):
+            s["old_logprobs"] = lp - 0.05 * torch.tensor([1.0, 9.0, 9.0] + [1.0] * (len(lp) - 3))
+        stats = grpo.update_policy(model, optimizer, batch, args, 1, torch.device("cpu"), None)
+        results[name] = {"stats": stats, "state": {n: p.full_tensor().detach().clone()
+                                                   for n, p in model.named_parameters()}}
+    torch.save(results, os.path.join(out_dir, "episodes.pt"))
+    finish_gloo()
+
+
+def test_observation_tokens_take_no_part_in_the_loss(tmp_path):
+    """Two updates on episodes whose observation tokens have wildly different engine and old log-probs (so their
+    ratios and TIS weights differ) move the weights identically, count only the model's tokens, and differ from an
+    update that wrongly trains on the observations."""
+    launcher.spawn(update_episodes, args=(free_port(), str(tmp_path)), nprocs=1)
+    results = torch.load(tmp_path / "episodes.pt")
+    a, b, unmasked = results["a"], results["b"], results["unmasked"]
+    own_tokens = sum(len(s["response_ids"]) - 2 for s in episode_batch(0.0))
+    assert a["stats"]["tokens"] == b["stats"]["tokens"] == own_tokens
+    assert a["stats"]["loss"] == b["stats"]["loss"] and a["stats"]["pg_clipfrac"] == b["stats"]["pg_clipfrac"]
+    for name, weight in a["state"].items():
+        assert torch.equal(weight, b["state"][name]), name
+    assert any(not torch.allclose(w, unmasked["state"][n]) for n, w in a["state"].items())

@@ -342,7 +342,8 @@ def test_bad_critic_and_reward_models_are_one_line(tmp_path):
     other_vocab = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": config.vocab_size + 8}))
     other_vocab.save_pretrained(tmp_path / "other_vocab")
     tokenizer.save_pretrained(tmp_path / "other_vocab")
-    with pytest.raises(ValueError, match="its vocab_size is 43, the policy's 35; the critic reads the policy's"):
+    expected = f"its vocab_size is {config.vocab_size + 8}, the policy's {config.vocab_size}; the critic reads the policy's"
+    with pytest.raises(ValueError, match=expected):
         load_critic(None, str(tmp_path / "other_vocab"), tokenizer, 0)
     policy.save_pretrained(tmp_path / "causal")
     tokenizer.save_pretrained(tmp_path / "causal")
@@ -368,3 +369,18 @@ def test_a_new_value_head_starts_at_zero_and_a_reward_models_is_kept(tmp_path):
     tokenizer.save_pretrained(tmp_path / "rm")
     from_rm = load_critic(None, str(tmp_path / "rm"), tokenizer, 0)
     assert torch.equal(from_rm.score.weight, rm.score.weight) and torch.count_nonzero(from_rm.score.bias) == 0
+
+
+def test_gae_and_the_score_skip_observation_tokens():
+    """An episode [a0, o, o, a1] (o: observation, mask 0) is the two-action episode [a0, a1]: the score sits on a1,
+    a0 bootstraps from V(a1) across the observation, and the observation positions get no advantage or return."""
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 9.0, 0.25]])  # values at observation positions must not matter
+    rewards, _ = ppo.token_rewards(torch.tensor([1.0]), mask, torch.zeros(1, 4), None, kl_coef=0.0)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    advantages, returns = ppo.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # a1: delta = 1 - 0.25 = 0.75; a0: delta = 0 + 0.9 * 0.25 - 0.5 = -0.275, A = -0.275 + 0.9 * 0.8 * 0.75 = 0.265
+    assert torch.allclose(advantages, torch.tensor([[0.265, 0.0, 0.0, 0.75]]))
+    assert torch.allclose(returns, torch.tensor([[0.765, 0.0, 0.0, 1.0]]))
+    two_actions, _ = ppo.gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.25]]), torch.ones(1, 2), 0.9, 0.8)
+    assert torch.allclose(two_actions, advantages[:, [0, 3]])
