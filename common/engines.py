@@ -86,14 +86,15 @@ class HFRolloutEngine:
             on_finish(i, group)
         return groups
 
-    def run_turns(self, runner, temperature: float, top_p: float, seed: int,
-                  greedy: bool = False, logprobs: bool = True, stop_token_ids: list[int] = ()) -> None:
+    def run_turns(self, runner, temperature: float, top_p: float, seed: int, greedy: bool = False,
+                  logprobs: bool = True, stop_token_ids: list[int] = (), ignore_eos: bool = False) -> None:
         """Multi-turn episodes in lock-step rounds: every turn ready (waiting for the environments' answers to the
         last round) is generated in one batch. Collective: FSDP's generate runs on every rank the same number of
         times, so a rank whose episodes ended runs a one-token dummy until all are done. Round r is seeded with
-        seed + r: round 0 samples exactly what `generate` would for the same prompts."""
+        seed + r: round 0 samples exactly what `generate` would for the same prompts. ignore_eos: every turn runs
+        to its length (benchmarks)."""
         stops = self.stop_token_ids
-        self.stop_token_ids = list(dict.fromkeys([*stops, *stop_token_ids]))
+        self.stop_token_ids = [] if ignore_eos else list(dict.fromkeys([*stops, *stop_token_ids]))
         try:
             for round_ in itertools.count():
                 turns = runner.next_turns(block=True, every=True)

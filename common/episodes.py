@@ -116,10 +116,11 @@ class EpisodeRunner:
     """Drives one batch of episodes for an engine's `run_turns`: `next_turns` hands out the turns ready to
     generate, `finish` takes a generated turn back, `done` says when every episode has ended."""
 
-    def __init__(self, envs: EnvWorkers, chat: ChatFormat, rows: list[dict], opening, n: int,
-                 max_turns: int, max_turn_len: int | None, max_response_len: int):
+    def __init__(self, envs: EnvWorkers, chat: ChatFormat, rows: list[dict], opening, n: int, max_turns: int,
+                 max_turn_len: int | None, max_prompt_len: int, max_response_len: int):
         self.envs, self.chat = envs, chat
-        self.max_turns, self.max_turn_len, self.max_response_len = max_turns, max_turn_len, max_response_len
+        self.max_turns, self.max_turn_len = max_turns, max_turn_len
+        self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.opening = opening  # row -> its opening messages as the script formats prompts
         self.episodes = [Episode(row) for row in rows for _ in range(n)]
         self.ready: list[Turn] = []
@@ -175,6 +176,9 @@ class EpisodeRunner:
         if not episode.prompt_ids:  # the answer to reset: the opening messages and the tools
             messages, episode.tools = value
             episode.prompt_ids = self.chat.opening_ids(messages or self.opening(episode.row), episode.tools)
+            if len(episode.prompt_ids) > self.max_prompt_len:  # the engine holds --max-prompt-len + the response
+                raise EnvError(f"an episode opens with {len(episode.prompt_ids)} tokens (the tools' descriptions and "
+                               f"the environment's opening count), more than --max-prompt-len {self.max_prompt_len}")
             return self._request(key)
         messages, episode.reward, done = value
         episode.tool_calls += sum(m.get("role") == "tool" for m in messages)
@@ -204,13 +208,14 @@ class EpisodeRunner:
 
 
 def run_episodes(engine, envs: EnvWorkers, chat: ChatFormat, rows: list[dict], opening, n: int, args, seed: int,
-                 greedy: bool = False, logprobs: bool = True, stop_token_ids: list[int] = ()) -> list[list[Episode]]:
+                 greedy: bool = False, logprobs: bool = True, stop_token_ids: list[int] = (),
+                 ignore_eos: bool = False) -> list[list[Episode]]:
     """Collective: n episodes per row (one when greedy), by row; an environment error stops every rank with its
     message. opening: row -> the messages an episode starts from when its environment has no reset of its own."""
     runner = EpisodeRunner(envs, chat, rows, opening, 1 if greedy else n, args.max_turns, args.max_turn_len,
-                           args.max_response_len)
+                           args.max_prompt_len, args.max_response_len)
     engine.run_turns(runner, args.temperature, args.top_p, seed, greedy=greedy, logprobs=logprobs,
-                     stop_token_ids=stop_token_ids)
+                     stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
     raise_on_all_ranks(runner.error)
     per_row = 1 if greedy else n
     return [runner.episodes[i * per_row:(i + 1) * per_row] for i in range(len(rows))]

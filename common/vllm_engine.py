@@ -172,18 +172,19 @@ class VLLMRolloutEngine:
             raise RuntimeError(f"vLLM finished without {results.count(None)} of this rank's {len(results)} requests")
         return results
 
-    def run_turns(self, runner, temperature: float, top_p: float, seed: int,
-                  greedy: bool = False, logprobs: bool = True, stop_token_ids: list[int] = ()) -> None:
+    def run_turns(self, runner, temperature: float, top_p: float, seed: int, greedy: bool = False,
+                  logprobs: bool = True, stop_token_ids: list[int] = (), ignore_eos: bool = False) -> None:
         """Multi-turn episodes as a stream (common/episodes.py): each turn the runner hands out is enqueued at once
         and the engine steps on, so turns of episodes at different depths share its batches and prefix cache. The
         ranks of a tensor-parallel replica exchange their new turns before every engine step (all of them feed the
-        engine the same requests) and stop together once all their episodes have ended."""
+        engine the same requests) and stop together once all their episodes have ended. ignore_eos: every turn runs
+        to its length (benchmarks)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._wake_for_generation()
         engine, keys = self.llm.llm_engine, {}  # request id -> (TP rank that asked, episode key)
-        stops = list(dict.fromkeys([*self.stop_token_ids, *stop_token_ids]))
+        stops = [] if ignore_eos else list(dict.fromkeys([*self.stop_token_ids, *stop_token_ids]))
         while True:
             idle = not engine.has_unfinished_requests()
             turns = runner.next_turns(block=idle)
@@ -200,8 +201,8 @@ class VLLMRolloutEngine:
                     params.append(SamplingParams(
                         n=1, max_tokens=turn.max_tokens, temperature=0.0 if greedy else temperature,
                         top_p=1.0 if greedy else top_p, seed=request_seed(seed, self.replica, f"{turn.key}/{turn.turn}"),
-                        stop_token_ids=stops, logprobs=0 if logprobs else None, flat_logprobs=True,
-                        detokenize=False))
+                        stop_token_ids=stops, ignore_eos=ignore_eos, logprobs=0 if logprobs else None,
+                        flat_logprobs=True, detokenize=False))
                     asked.append((rank, turn.key))
             if requests:
                 ids = self.llm.enqueue(requests, params, use_tqdm=False)

@@ -141,7 +141,8 @@ def episode_args(**overrides) -> SimpleNamespace:
     return SimpleNamespace(**{
         "chat_template": None, "env": "lookup", "tools": None, "reward_fn": "synthetic", "env_timeout": 60.0,
         "reward_workers": 1, "prompt_template": None, "system_prompt": None, "group_size": 4, "max_turns": 4,
-        "max_turn_len": 1, "max_response_len": 6, "temperature": 1.0, "top_p": 1.0, **overrides})
+        "max_turn_len": 1, "max_prompt_len": 16, "max_response_len": 6, "temperature": 1.0, "top_p": 1.0,
+        **overrides})
 
 
 def run_episodes_worker(rank: int, world: int, port: int, out_dir: str, env_file: str) -> None:
