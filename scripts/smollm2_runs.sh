@@ -17,9 +17,11 @@
 #   ablate-grpo        scripts/ablate.py: grpo-addition with the defaults before 2026-11-24 (bf16, token-mean, 5
 #                      warmup steps) and one change each (the loss normaliser, Adam's beta2, TIS, no warmup, no
 #                      gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
-#   grpo-calculator    grpo.py with --tools calculator on 3-digit x 2-digit multiplication (scripts/make_multiplication.py
-#                      writes the rows), 32 prompts x 8 episodes of up to 3 turns, lr 1e-5, 40 steps
-#   grpo-calculator-none  the same rows and settings without the tool (the baseline)
+#   calculator-warmup  dpo.py on scripts/make_multiplication.py's pairs (a calculator call over a wrong direct answer,
+#                      1,024 pairs, 64 held out, one epoch, --sft-weight 1): SmolLM2 never calls a tool by itself
+#   grpo-calculator    grpo.py --tools calculator on 3-digit x 2-digit multiplication, 32 prompts x 8 episodes of up to
+#                      3 turns, lr 1e-5, 40 steps; MODEL=<calculator-warmup's OUT>/hf_step_30
+#   grpo-calculator-none  the same questions and settings without the tool (the baseline, from SmolLM2 itself)
 #   bench-episodes     scripts/bench_episodes.py: multi-turn rollouts (4 turns of 128 tokens) against single-turn ones
 #                      (512 tokens), generated tokens per second
 #   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
@@ -40,7 +42,6 @@ addition=(--model "$model" --dataset "$data/addition/train.jsonl" --prompt-key q
 gsm8k_template="{prompt}
 Let's think step by step and output the final answer after \"####\"."
 hh="$data/hh-rlhf/harmless-base-test.jsonl.gz"
-calculator_system='Use the calculator for arithmetic. Example: for "What is 12 * 34?" reply <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call> and, after the result, "The answer is 408."'
 multiplication=(--model "$model" --dataset /tmp/multiplication.jsonl --prompt-key question --answer-key answer
                 --reward-fn gsm8k --eval-size 128 --max-response-len 256 --eval-every 10 --prompts-per-step 32
                 --group-size 8 --lr 1e-5 --steps 40)
@@ -65,10 +66,13 @@ case $recipe in
                    --variant all-token-mean="--loss-agg all-token-mean" --variant adam-beta2-0.999="--adam-beta2 0.999" \
                    --variant tis-cap-3="--tis-cap 3" --variant warmup-0="--warmup-steps 0" \
                    --variant no-grad-clip="--max-grad-norm 1e9" --variant fp32="--precision fp32" "$@" ;;
-  grpo-calculator) python scripts/make_multiplication.py --out /tmp/multiplication.jsonl
+  calculator-warmup) python scripts/make_multiplication.py pairs --rows 1024 --out /tmp/calculator_pairs.jsonl
+                   exec "${run[@]}" dpo.py --model "$model" --dataset /tmp/calculator_pairs.jsonl --eval-size 64 \
+                   --sft-weight 1.0 --lr 5e-6 --pairs-per-step 32 --output-dir "$out" "$@" ;;
+  grpo-calculator) python scripts/make_multiplication.py questions --out /tmp/multiplication.jsonl
                    exec "${run[@]}" grpo.py "${multiplication[@]}" --tools calculator --max-turns 3 \
-                   --system-prompt "$calculator_system" --output-dir "$out" "$@" ;;
-  grpo-calculator-none) python scripts/make_multiplication.py --out /tmp/multiplication.jsonl
+                   --output-dir "$out" "$@" ;;
+  grpo-calculator-none) python scripts/make_multiplication.py questions --out /tmp/multiplication.jsonl
                    exec "${run[@]}" grpo.py "${multiplication[@]}" --output-dir "$out" "$@" ;;
   bench-episodes) exec "${run[@]}" scripts/bench_episodes.py --model "$model" --out "$out" "$@" ;;
   vs-trl-grpo) exec python scripts/bench_vs_trl.py grpo --model "$model" --data "$data/addition/train.jsonl" \

@@ -89,16 +89,16 @@ def fixed_batch(num_samples: int = 8):
     return samples
 
 
-def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
+def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str, episodes: bool = False):
     init_gloo(rank, world, port)
     model = shard_model(tiny_model(), torch.device("cpu"))
     # Different token budgets per world size: the split into micro-batches must not change the gradient.
     args = grpo.Args(loss_agg=loss_agg, max_tokens_per_micro_batch=12 if world == 2 else 40, num_mini_batches=2,
-                     max_response_len=4)
+                     max_response_len=7 if episodes else 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # not Adam: Adam hides a wrong gradient scale
     # Rank r takes samples r, r + world, ...: with no shuffle, mini-batch k then holds the same global samples
     # for 1 and 2 ranks.
-    samples = fixed_batch()[rank::world]
+    samples = (episode_batch(0.0) if episodes else fixed_batch())[rank::world]
     for s, lp in zip(samples, compute_logprobs(model, samples, 16, args.temperature, torch.device("cpu"))):
         s["old_logprobs"] = lp - 0.05
     stats = grpo.update_policy(model, optimizer, samples, args, world, torch.device("cpu"), generator=None)
@@ -111,10 +111,12 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str):
 
 
 
-@pytest.mark.parametrize("loss_agg", ["all-token-mean", "token-mean", "seq-mean-token-mean"])
-def test_two_ranks_match_one_rank(tmp_path, loss_agg):
+@pytest.mark.parametrize("loss_agg, episodes", [("all-token-mean", False), ("token-mean", False),
+                                                ("seq-mean-token-mean", False), ("all-token-mean", True)])
+def test_two_ranks_match_one_rank(tmp_path, loss_agg, episodes):
+    """Also with multi-turn episodes (observation tokens masked), whose token counts differ from their lengths."""
     for world in (1, 2):
-        launcher.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path)), nprocs=world)
+        launcher.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path), episodes), nprocs=world)
     one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
     initial = dict(tiny_model().named_parameters())
