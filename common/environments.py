@@ -57,6 +57,9 @@ from common.rewards import ROOT, _read_exactly, _send, checked_reward, load_rewa
 from common.tools import load_tools, tool_schema
 
 
+SENT_BYTES = 32 << 10  # calls sent to a process and not answered, at most (below a pipe's 64 KiB)
+
+
 @errors.user_error
 class EnvError(RuntimeError):
     """An environment's own code failed: the message names the sample and the turn."""
@@ -204,6 +207,12 @@ def worker_main() -> None:
             _send(out, ("error", key, f"{type(e).__name__}: {e} ({Path(frame.filename).name}:{frame.lineno})"))
 
 
+def _send_bytes(fd: int, data: bytes) -> None:
+    data = struct.pack(">Q", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
 class _EnvProcess:
     def __init__(self, specs: list):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
@@ -211,8 +220,10 @@ class _EnvProcess:
             [sys.executable, "-c", "from common.environments import worker_main; worker_main()", json.dumps(specs),
              str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.fd, self.buffer = self.process.stdout.fileno(), b""
-        self.ready, self.call, self.started = False, None, 0.0
-        self.queue = collections.deque()  # calls waiting for this process: it runs one at a time
+        self.ready = False
+        self.queue = collections.deque()  # calls not sent yet
+        self.sent = collections.deque()  # calls sent and not answered yet: it runs them one at a time, in order
+        self.sent_bytes, self.started = 0, 0.0  # when the first of `sent` started
 
     def read(self) -> list | None:
         chunk = os.read(self.fd, 1 << 16)
@@ -267,7 +278,7 @@ class EnvWorkers:
         self._call(key, "end", None, answer=False)
 
     def pending(self) -> int:
-        return sum(len(p.queue) + (p.call is not None) for p in self.processes) + len(self.done)
+        return sum(len(p.queue) + len(p.sent) for p in self.processes) + len(self.done)
 
     def results(self, block: bool) -> list[tuple[int, object, float]]:
         """The answers that have arrived; block: wait for at least one (when any call is pending)."""
@@ -285,27 +296,37 @@ class EnvWorkers:
         self._start(process)
 
     def _start(self, process: _EnvProcess) -> None:
-        while process.ready and process.call is None and process.queue:
-            key, op, payload, answer, replay = call = process.queue.popleft()
-            _send(process.process.stdin.fileno(), (op, key, payload))
-            if answer:  # "end" gets no answer
-                process.call, process.started = call, time.monotonic()
+        """Sends queued calls without waiting for the answers of those before (the process answers them in order),
+        while what is sent and unanswered stays under SENT_BYTES: the pipe then never fills, so neither side can
+        block the other."""
+        while process.ready and process.queue:
+            key, op, payload, answer, replay = call = process.queue[0]
+            data = pickle.dumps((op, key, payload))
+            if process.sent and process.sent_bytes + len(data) > SENT_BYTES:
+                break
+            process.queue.popleft()
+            _send_bytes(process.process.stdin.fileno(), data)
+            if answer:  # "end" gets none
+                if not process.sent:
+                    process.started = time.monotonic()
+                process.sent.append((*call, len(data)))
+                process.sent_bytes += len(data)
 
     def _poll(self, wait: bool) -> None:
         now = time.monotonic()
-        deadlines = [p.started + self.timeout_s - now for p in self.processes if p.call and self.timeout_s]
+        deadlines = [p.started + self.timeout_s - now for p in self.processes if p.sent and self.timeout_s]
         timeout = 0.0 if not wait else max(0.0, min(deadlines + [1.0]))
         readable, _, _ = select.select([p.fd for p in self.processes], [], [], timeout)
         for process in [p for p in self.processes if p.fd in readable]:
             self._receive(process)
         for process in list(self.processes):
-            if process.call and self.timeout_s and time.monotonic() > process.started + self.timeout_s:
+            if process.sent and self.timeout_s and time.monotonic() > process.started + self.timeout_s:
                 self._replace(process)
 
     def _receive(self, process: _EnvProcess) -> None:
         messages = process.read()
         if messages is None:
-            where = f" on {self.where.get(process.call[0])}" if process.call else ""
+            where = f" on {self.where.get(process.sent[0][0])}" if process.sent else ""
             raise EnvError(f"an environment process died{where} (a crash or os._exit in the environment's code?)")
         for kind, key, value in messages:
             if kind == "ready":
@@ -313,23 +334,26 @@ class EnvWorkers:
             elif kind == "failed":
                 raise EnvError(f"the environment could not be loaded in its process: {value}")
             else:
-                key, op, payload, answer, replay = process.call
-                process.call = None
+                key, op, payload, answer, replay, size = process.sent.popleft()
+                process.sent_bytes -= size
+                now = time.monotonic()
                 if kind == "error":
                     turn = sum(o == "step" for o, _ in self.history.get(key, []))
                     what = "reset" if op == "reset" else f"turn {turn}"
                     raise EnvError(f"the environment raised on {self.where[key]}, {what}: {value}")
                 if not replay:
-                    self.done.append((key, value, time.monotonic() - process.started))
+                    self.done.append((key, value, now - process.started))
+                process.started = now  # the next call starts now
         self._start(process)
 
     def _replace(self, process: _EnvProcess) -> None:
         """A call ran past its time limit: its episode gets None (it ends), and the process's other episodes are
-        rebuilt on a new process from their calls so far (answers discarded, except for a call not answered yet)."""
-        stuck_key = process.call[0]
+        rebuilt on a new process from their calls so far (answers discarded, except for calls not answered yet)."""
+        stuck_key = process.sent[0][0]
         self.done.append((stuck_key, None, time.monotonic() - process.started))
         self.history.pop(stuck_key, None)
-        waiting = [c for c in process.queue if c[0] != stuck_key]
+        waiting = [c[:5] for c in list(process.sent)[1:] if not c[4]] + list(process.queue)
+        waiting = [c for c in waiting if c[0] != stuck_key]
         new = self.processes[self.processes.index(process)] = _EnvProcess(self.specs)
         process.kill()
         index = self.processes.index(new)
