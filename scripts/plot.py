@@ -22,7 +22,8 @@ DEFAULT_METRICS = ("reward/mean", "eval/accuracy", "response/length_mean", "time
 TITLES = {"reward/mean": "training reward", "eval/accuracy": "held-out greedy accuracy",
           "response/length_mean": "response length (tokens)", "time/step": "seconds per step",
           "eval/preference_accuracy": "held-out preference accuracy", "loss/preference": "preference loss",
-          "critic/explained_variance": "critic explained variance"}
+          "critic/explained_variance": "critic explained variance", "reward/accuracy": "training accuracy",
+          "episode/tool_calls_mean": "tool calls per episode", "episode/turns_mean": "turns per episode"}
 
 
 def read_curves(path: str, metrics: list[str]) -> dict[str, list[tuple[int, float]]]:
