@@ -59,8 +59,9 @@ class ChatFormat:
     """How a conversation becomes token ids: with the tokenizer's chat template, or as plain text (the contents
     joined by blank lines, as common/data.py renders a prompt without a template)."""
 
-    def __init__(self, tokenizer, use_template: bool, system_prompt: str | None = None):
-        self.tokenizer, self.use_template, self.system_prompt = tokenizer, use_template, system_prompt
+    def __init__(self, tokenizer, use_template: bool):
+        self.tokenizer, self.use_template = tokenizer, use_template
+        self.renders_tools: dict[str, bool] = {}
 
     def opening_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
         if not self.use_template:
@@ -92,10 +93,14 @@ class ChatFormat:
         return self.tokenizer(tail + after[len(before):], add_special_tokens=False)["input_ids"]
 
     def takes_tools(self, tools: list[dict]) -> bool:
-        """Whether the chat template renders tools (else they are described in a system message)."""
-        probe = [{"role": "user", "content": "U"}]
-        return self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False) != \
-            self.tokenizer.apply_chat_template(probe, tokenize=False)
+        """Whether the chat template renders tools (else they are described in a system message); found once per
+        set of tools."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.renders_tools:
+            probe = [{"role": "user", "content": "U"}]
+            self.renders_tools[key] = self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False) != \
+                self.tokenizer.apply_chat_template(probe, tokenize=False)
+        return self.renders_tools[key]
 
 
 def with_tools_described(messages: list[dict], tools: list[dict]) -> list[dict]:
