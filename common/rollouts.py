@@ -106,8 +106,8 @@ class RolloutArgs:
     """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
     env: str | None = None
     """multi-turn episodes: path/to/env.py:make_env (an environment per episode, built from its dataset row; the
-    protocol is in common/environments.py) or lookup (the built-in task with one number hidden behind a lookup
-    call); unset: one response per prompt"""
+    protocol is in common/environments.py) or lookup (the built-in task with its largest number hidden behind a
+    lookup call); unset: one response per prompt"""
     tools: str | None = None
     """multi-turn episodes with tools the model calls: calculator, python (sandboxed), path/to/tools.py (its public
     functions), comma-separated; a turn without a tool call is the answer, scored by --reward-fn"""
