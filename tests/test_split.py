@@ -52,12 +52,15 @@ def test_truncated_importance_weights_by_hand():
     # Two sequences; ratios p_old / p_behaviour = exp(old - behaviour) = 1/2, 1, 3 (capped at 2), 4 (capped).
     old = [torch.tensor([math.log(0.25), math.log(0.5)]), torch.tensor([math.log(0.6), math.log(0.8)])]
     behaviour = [[math.log(0.5), math.log(0.5)], [math.log(0.2), math.log(0.2)]]
-    samples = [dict(old_logprobs=o, logprobs=b) for o, b in zip(old, behaviour)]
-    samples.append(dict(old_logprobs=torch.tensor([0.0, -9.0]), logprobs=None))  # a step that did not ask: skipped
+    samples = [dict(response_ids=[5, 6], old_logprobs=o, logprobs=b) for o, b in zip(old, behaviour)]
+    samples.append(dict(response_ids=[5, 6], old_logprobs=torch.tensor([0.0, -9.0]), logprobs=None))  # not asked
+    # A multi-turn episode: its second token is an observation (engine log-prob 0), not the model's: left out.
+    samples.append(dict(response_ids=[5, 6], response_mask=[1, 0], old_logprobs=torch.tensor([math.log(0.5), -9.0]),
+                        logprobs=[math.log(0.5), 0.0]))
     stats = mismatch_metrics(samples, cap=2.0)
-    assert stats["lp_tokens"] == 4
-    assert stats["lp_diff"] == pytest.approx(math.log(2) + 0 + math.log(3) + math.log(4), rel=1e-6)
-    assert stats["tis_weight_sum"] == pytest.approx(0.5 + 1 + 2 + 2, rel=1e-6)
+    assert stats["lp_tokens"] == 5
+    assert stats["lp_diff"] == pytest.approx(math.log(2) + 0 + math.log(3) + math.log(4) + 0, rel=1e-6)
+    assert stats["tis_weight_sum"] == pytest.approx(0.5 + 1 + 2 + 2 + 1, rel=1e-6)
     assert stats["tis_capped"] == 2
     assert stats["tis_ratio_max"] == pytest.approx(4.0, rel=1e-6)
 
