@@ -40,20 +40,17 @@ row and the replies). A remote environment server is a `step` that sends the rep
 import collections
 import importlib.util
 import json
-import os
 import pickle
 import re
 import select
-import signal
 import struct
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from common import errors
-from common.rewards import ROOT, _read_exactly, _send, checked_reward, load_reward_fn
+from common.rewards import _read_exactly, _send, _send_bytes, _Worker, checked_reward, load_reward_fn, worker_setup
 from common.tools import load_tools, tool_schema
 
 
@@ -167,17 +164,8 @@ def load_env_factory(env: str | None, tools: str | None, reward_fn: str):
 
 def worker_main() -> None:
     """An environment process: build the factory once, then answer one call at a time until stdin closes."""
-    env_spec, tools_spec, reward_spec, parent = json.loads(sys.argv[1]) + [int(sys.argv[2])]
-    out = os.dup(1)
-    os.dup2(2, 1)  # an environment's prints must not mix with the messages
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank decides what a signal means, and kills this process
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the rank
-    except OSError:
-        pass
-    if os.getppid() != parent:
+    env_spec, tools_spec, reward_spec = json.loads(sys.argv[1])
+    if (out := worker_setup(int(sys.argv[2]))) is None:
         return
     try:
         factory = load_env_factory(env_spec, tools_spec, reward_spec)
@@ -207,44 +195,15 @@ def worker_main() -> None:
             _send(out, ("error", key, f"{type(e).__name__}: {e} ({Path(frame.filename).name}:{frame.lineno})"))
 
 
-def _send_bytes(fd: int, data: bytes) -> None:
-    data = struct.pack(">Q", len(data)) + data
-    while data:
-        data = data[os.write(fd, data):]
+class _EnvProcess(_Worker):
+    """An environment process (common/rewards.py's worker process, running this module's worker_main) and its calls:
+    those not sent yet, and those sent and not answered."""
 
-
-class _EnvProcess:
     def __init__(self, specs: list):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from common.environments import worker_main; worker_main()", json.dumps(specs),
-             str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self.fd, self.buffer = self.process.stdout.fileno(), b""
-        self.ready = False
+        super().__init__(json.dumps(specs), module="common.environments")
         self.queue = collections.deque()  # calls not sent yet
         self.sent = collections.deque()  # calls sent and not answered yet: it runs them one at a time, in order
-        self.sent_bytes, self.started = 0, 0.0  # when the first of `sent` started
-
-    def read(self) -> list | None:
-        chunk = os.read(self.fd, 1 << 16)
-        if not chunk:
-            return None
-        self.buffer += chunk
-        messages = []
-        while len(self.buffer) >= 8 and len(self.buffer) >= 8 + (size := struct.unpack(">Q", self.buffer[:8])[0]):
-            messages.append(pickle.loads(self.buffer[8:8 + size]))
-            self.buffer = self.buffer[8 + size:]
-        return messages
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for f in (self.process.stdin, self.process.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        self.sent_bytes = 0  # and `started`: when the first of `sent` started
 
 
 class EnvWorkers:

@@ -203,7 +203,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _send(fd: int, message) -> None:
-    data = pickle.dumps(message)
+    _send_bytes(fd, pickle.dumps(message))
+
+
+def _send_bytes(fd: int, data: bytes) -> None:
+    """One message already pickled, behind its length."""
     data = struct.pack(">Q", len(data)) + data
     while data:
         data = data[os.write(fd, data):]
@@ -220,9 +224,9 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def worker_main() -> None:
-    """A reward process: load the reward function once, then answer one call at a time until stdin closes."""
-    spec, parent = sys.argv[1], int(sys.argv[2])
+def worker_setup(parent: int) -> int | None:
+    """In a worker process (rewards, environments): its own copy of stdout for the messages (prints go to stderr),
+    signals left to the rank, and death with the rank. Returns that copy, or None when the rank is gone already."""
     out = os.dup(1)
     os.dup2(2, 1)  # print() in a reward function must not mix with the messages
     # Ctrl-C and Slurm's SIGTERM reach every process of the job: the rank decides what happens, and kills this one.
@@ -233,7 +237,13 @@ def worker_main() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    if os.getppid() != parent:
+    return out if os.getppid() == parent else None
+
+
+def worker_main() -> None:
+    """A reward process: load the reward function once, then answer one call at a time until stdin closes."""
+    spec, parent = sys.argv[1], int(sys.argv[2])
+    if (out := worker_setup(parent)) is None:
         return
     try:
         reward_fn = load_reward_fn(spec)
@@ -260,12 +270,13 @@ class _OtherValue:
 
 
 class _Worker:
-    """One reward process and the call it is working on."""
+    """One reward process and the call it is working on (common/environments.py's processes are these too, running
+    `module`'s worker_main)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, module: str = "common.rewards"):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from common.rewards import worker_main; worker_main()", spec, str(os.getpid())],
+            [sys.executable, "-c", f"from {module} import worker_main; worker_main()", spec, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.fd, self.buffer = self.process.stdout.fileno(), b""
         self.ready, self.call, self.started = False, None, 0.0
