@@ -168,7 +168,7 @@ def check_rollout_args(args, num_trainers: int) -> None:
         load_reward_fn(args.reward_fn)
     if wants_episodes(args):  # a bad --env / --tools too, and a machine where the python tool has no sandbox
         load_env_factory(args.env, args.tools, args.reward_fn)
-        if "python" in args.tools.split(",") if args.tools else False:
+        if args.tools and "python" in args.tools.split(","):
             check_sandbox()
 
 
