@@ -36,6 +36,7 @@ from common.distributed import finish_distributed, sum_over_ranks
 from common.errors import check_ranges, run_main
 from common.logger import start_logging
 from common.logprobs import model_token_mask
+from common.lora import LORA_LR_SCALE, LoraArgs, add_lora, check_lora_args
 from common.model import load_model, load_tokenizer, shard_model
 from common.optim import clip_and_step, make_optimizer
 from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
@@ -50,7 +51,7 @@ from common.value_models import load_reward_model
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
@@ -133,13 +134,14 @@ class Args(RunArgs, RolloutArgs):
 FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_key", "rejected_key", "completion_key",
                    "label_key", "answer_key", "eval_split", "eval_size", "seed", "online", "group_size",
                    "prompts_per_step", "pairs_per_step", "max_len", "max_prompt_len", "chat_template", "system_prompt",
-                   "prompt_template")
+                   "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def resolve_defaults(args: Args) -> None:
     """The flags left unset, from the task (offline --steps, one epoch, once the data is loaded: load_examples)."""
     builtin = args.dataset is None
-    args.lr = (1e-3 if args.model is None else 5e-7) if args.lr is None else args.lr
+    args.lr = (1e-3 if args.model is None else 5e-7) * (LORA_LR_SCALE if args.lora_rank else 1) \
+        if args.lr is None else args.lr
     args.max_len = (16 if builtin else 1024) if args.max_len is None else args.max_len
     args.max_prompt_len = args.max_prompt_len or (256 if args.online else args.max_len // 2)
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
@@ -160,6 +162,10 @@ def check_args(args: Args, world: int) -> None:
                  non_negative=["warmup_steps", "weight_decay", "sft_weight", "ref_update_every", "eval_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
     check_loss_args(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
+    check_lora_args(args)
+    if args.lora_rank and args.ref_update_every:
+        raise ValueError("--ref-update-every does not combine with --lora-rank: a LoRA run's reference is its base "
+                         "model (the adapters switched off), which does not move")
     if args.online:
         check_rollout_args(args, world)
         if args.group_size < 2:
@@ -441,19 +447,20 @@ def main(args: Args):
         return Rollouts.serve(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Models: the policy; a frozen reference unless its log-probs are cached (simpo has none); the reward model.
+    # Models: the policy (with --lora-rank: adapters on a frozen base); a frozen reference unless its log-probs are
+    # cached (simpo has none), which with LoRA is the policy's own base (ReferenceLogps switches the adapters off);
+    # the reward model.
     shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
                                                        trainable, args.compile, args.precision, packed_rows=True)
-    policy = shard(load_model(args.model, tokenizer, args.seed), trainable=True)
+    policy = shard(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), trainable=True)
     frozen = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
-        frozen = shard(load_model(args.model, tokenizer, args.seed))
+        frozen = policy if args.lora_rank else shard(load_model(args.model, tokenizer, args.seed))
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
         reward_model = shard(reward_model)
-    num_params = sum(p.numel() for p in policy.parameters())
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes, num_params)
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes, [policy])
 
     # Where examples come from: the dataset (offline) or the policy's samples, scored and paired (online); the
     # shared rollouts also give greedy task accuracy wherever prompts have answers.

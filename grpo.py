@@ -32,6 +32,7 @@ from common.distributed import finish_distributed, sum_over_ranks
 from common.errors import check_ranges, run_main
 from common.logger import start_logging
 from common.logprobs import compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs, sample_lengths
+from common.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
 from common.model import load_model, load_tokenizer, shard_model
 from common.optim import clip_and_step, make_optimizer
 from common.resume import Checkpoints
@@ -43,7 +44,7 @@ from common.split import init_placement
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs):
     # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -73,7 +74,7 @@ class Args(RunArgs, RolloutArgs):
     steps: int = 200
     """number of GRPO steps (rollout + update)"""
     lr: float | None = None
-    """AdamW learning rate; unset: 5e-4 for the built-in tiny model (random init), else 1e-6"""
+    """AdamW learning rate; unset: 5e-4 for the built-in tiny model (random init), else 1e-6; 10x that with LoRA"""
     warmup_steps: int = 0
     """linear learning-rate warmup over this many updates (none by default: faster learning, benchmarks/README.md)"""
     clip_low: float = 0.2
@@ -81,7 +82,8 @@ class Args(RunArgs, RolloutArgs):
     clip_high: float = 0.28
     """PPO ratio clip above: ratio <= 1 + clip_high (DAPO's clip-higher)"""
     kl_coef: float = 0.0
-    """weight of the k3 KL penalty to the frozen initial policy; 0 loads no reference model"""
+    """weight of the k3 KL penalty to the frozen initial policy (with LoRA: the base, adapters off); 0 loads no
+    reference model"""
     scale_rewards: bool = True
     """divide advantages by the group's reward std (--no-scale-rewards: Dr. GRPO)"""
     loss_agg: Literal["all-token-mean", "token-mean", "seq-mean-token-mean",
@@ -108,7 +110,7 @@ class Args(RunArgs, RolloutArgs):
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "answer_key", "eval_split", "eval_size", "seed",
                    "group_size", "prompts_per_step", "max_prompt_len", "chat_template", "system_prompt",
-                   "prompt_template")
+                   "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def check_args(args: Args, world: int) -> None:
@@ -119,6 +121,7 @@ def check_args(args: Args, world: int) -> None:
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "eval_every",
                                "logprob_diff_every", "save_every", "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
+    check_lora_args(args)
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
@@ -270,7 +273,8 @@ def resolve_defaults(args: Args) -> None:
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
-    args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
+    args.lr = (5e-4 if args.model is None else 1e-6) * (LORA_LR_SCALE if args.lora_rank else 1) \
+        if args.lr is None else args.lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
 
 
@@ -291,16 +295,15 @@ def main(args: Args):
         return Rollouts.serve(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Model, reference model, optimizer.
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing,
-                         compile_layers=args.compile, precision=args.precision)
-    reference = None
-    if args.kl_coef > 0:
+    # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer.
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), device,
+                         args.activation_checkpointing, compile_layers=args.compile, precision=args.precision)
+    reference = None  # of the KL penalty: the frozen initial policy; with LoRA, the policy's own base (adapters off)
+    if args.kl_coef > 0 and not args.lora_rank:
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
                                 compile_layers=args.compile, precision=args.precision, packed_rows=True)
-    num_params = sum(p.numel() for p in policy.parameters())
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, num_params)
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, [policy])
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                         run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
@@ -333,9 +336,11 @@ def main(args: Args):
             if not one_step_per_batch(args):
                 for s, lp in zip(kept, compute_logprobs(policy, kept, budget, args.temperature, device)):
                     s["old_logprobs"] = lp
-            if reference is not None:
-                for s, lp in zip(kept, compute_logprobs(reference, kept, budget, args.temperature, device)):
-                    s["ref_logprobs"] = lp
+            if args.kl_coef > 0:
+                with adapters_off(policy):  # with LoRA: the base model, the reference
+                    for s, lp in zip(kept, compute_logprobs(reference or policy, kept, budget, args.temperature,
+                                                            device)):
+                        s["ref_logprobs"] = lp
 
         # 5. Policy update.
         with timer("update"):

@@ -12,8 +12,13 @@ update critic and policy -> weight sync -> log -> checkpoint. Before the policy 
 the first batch until it explains enough of the returns' variance (--critic-warmup-ev): a fresh critic's values are
 noise, and advantages made from them would push the policy at random. The math functions take right-padded
 [batch, seq] tensors over response tokens with a float mask (1 for a real token, 0 for padding). Samples come from
-common/rollouts.py (colocated vLLM or split placement, async). Left out on purpose: adaptive KL control, a reward
-model's own chat template (its tokenizer re-tokenizes the text as is), a critic sharing the policy's body.
+common/rollouts.py (colocated vLLM or split placement, async). With --lora-rank both policy and critic train
+adapters on frozen bases (common/lora.py), the critic's value head in full, and the KL's reference is the policy's
+own base with its adapters off. The critic keeps a base of its own, frozen in bf16 (2 bytes a parameter, parked in CPU
+memory with --offload): sharing the policy's would save that copy but make one module of two models (two adapters
+switched per pass, one FSDP unit, one state), and a --critic-model could no longer differ from the policy. Left out
+on purpose: adaptive KL control, a reward model's own chat template (its tokenizer re-tokenizes the text as is), a
+critic sharing the policy's body.
 
     torchrun --nproc_per_node 2 ppo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 ppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
@@ -33,6 +38,7 @@ from common.distributed import finish_distributed, sum_over_ranks
 from common.errors import check_ranges, run_main
 from common.logger import start_logging
 from common.logprobs import compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs, sample_lengths
+from common.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
 from common.model import load_model, load_tokenizer, shard_model
 from common.offload import Offloader
 from common.optim import clip_and_step, make_optimizer
@@ -46,7 +52,7 @@ from common.value_models import compute_values, load_critic, load_reward_model, 
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs):
     # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -134,7 +140,7 @@ class Args(RunArgs, RolloutArgs):
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "critic_model", "reward_model", "dataset", "dataset_config", "prompt_key", "answer_key",
                    "eval_split", "eval_size", "seed", "group_size", "prompts_per_step", "max_prompt_len",
-                   "chat_template", "system_prompt", "prompt_template")
+                   "chat_template", "system_prompt", "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def check_args(args: Args, world: int) -> None:
@@ -146,6 +152,7 @@ def check_args(args: Args, world: int) -> None:
                                "missing_eos_penalty", "critic_warmup_steps", "eval_every", "logprob_diff_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
+    check_lora_args(args)
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise ValueError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
@@ -435,8 +442,9 @@ def resolve_defaults(args: Args) -> None:
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
-    args.lr = (5e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
-    args.critic_lr = (1e-3 if args.model is None else 1e-5) if args.critic_lr is None else args.critic_lr
+    scale = LORA_LR_SCALE if args.lora_rank else 1  # LoRA wants about 10x the learning rate (common/lora.py)
+    args.lr = (5e-4 if args.model is None else 1e-6) * scale if args.lr is None else args.lr
+    args.critic_lr = (1e-3 if args.model is None else 1e-5) * scale if args.critic_lr is None else args.critic_lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
 
 
@@ -456,26 +464,28 @@ def main(args: Args):
         return Rollouts.serve(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Models: the policy and the critic, an optimizer each; the frozen reference and reward model.
+    # Models: the policy and the critic, an optimizer each (with --lora-rank: adapters on frozen bases, the critic's
+    # value head trained in full); the frozen reference (with LoRA: the policy's own base) and reward model.
     shard = dict(compile_layers=args.compile, precision=args.precision)
-    policy = shard_model(load_model(args.model, tokenizer, args.seed), device, args.activation_checkpointing, **shard)
-    critic = shard_model(load_critic(args.model, args.critic_model, tokenizer, args.seed), device,
-                         args.activation_checkpointing, packed_rows=True, **shard)  # (never generates)
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), device,
+                         args.activation_checkpointing, **shard)
+    critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed), args, args.seed,
+                                  heads=("score",)),
+                         device, args.activation_checkpointing, packed_rows=True, **shard)  # (never generates)
     reference = reward_model = rm_tokenizer = None
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and not args.lora_rank:
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, False, False, packed_rows=True,
                                 **shard)
     if args.reward_model is not None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
         reward_model = shard_model(reward_model, device, False, False, packed_rows=True, **shard)
-    num_params = 2 * sum(p.numel() for p in policy.parameters())  # the policy's and the critic's (about as big)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
                                                         args.adam_beta2)
     offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
     offload.park(critic, reference, reward_model)  # before vLLM sizes itself from the free memory
 
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, num_params)
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, [policy, critic])
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                         run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
@@ -512,9 +522,10 @@ def main(args: Args):
                     s["old_values"] = values
             for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
                 s["old_logprobs"] = lp
-            if reference is not None:
-                with offload.on_gpu(reference):
-                    for s, lp in zip(samples, compute_logprobs(reference, samples, budget, args.temperature, device)):
+            if args.kl_coef > 0:
+                with offload.on_gpu(reference), adapters_off(policy):  # with LoRA: the base model, the reference
+                    for s, lp in zip(samples, compute_logprobs(reference or policy, samples, budget, args.temperature,
+                                                               device)):
                         s["ref_logprobs"] = lp
 
         # 4. Advantages: per-token rewards (score - KL), GAE with the critic's values, whitened over all ranks.

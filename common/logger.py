@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from common.health import health_report
+from common.lora import flop_weighted_params
 from common.perf import StepPerf
 from common.signals import crash_point, signal_point
 from common.watchdog import Watchdog
@@ -152,13 +153,14 @@ class Logger:
 
 
 def start_logging(args, run_dir, rank: int, world: int, device, notes: list[str],
-                  num_params: int) -> tuple[Logger, StageTimer, StepPerf]:
+                  models: list) -> tuple[Logger, StageTimer, StepPerf]:
     """Collective over the `world` training ranks. The run's logger (metrics.jsonl, the console, W&B with --track,
     continuing a resumed run's), its stage timer (which also watches for hangs) and the per-step performance figures
-    (MFU for `num_params` trained parameters, peak memory); prints the run directory's notes, the script's `notes`
-    and the health line (devices, all-reduce bandwidth, disk space for a training state)."""
+    (MFU of the `models` that train, peak memory); prints the run directory's notes, the script's `notes` and the
+    health line (devices, all-reduce bandwidth, disk space for a training state)."""
+    trained, flop_params = flop_weighted_params(models)
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, vars(args), run_dir.path,
                     run_id=run_dir.saved.get("wandb_run_id"), start_step=run_dir.start_step)
-    for note in [*run_dir.notes, *notes, *health_report(device, run_dir.path, num_params)]:
+    for note in [*run_dir.notes, *notes, *health_report(device, run_dir.path, trained)]:
         logger.print(note)
-    return logger, StageTimer(device, args.hang_timeout, run_dir.path), StepPerf(num_params, device, world)
+    return logger, StageTimer(device, args.hang_timeout, run_dir.path), StepPerf(flop_params, device, world)

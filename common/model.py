@@ -138,20 +138,27 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head).
 
     On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
-    are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`.
+    are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`. Frozen parameters (a
+    model that does not train, a LoRA model's base) are kept in the compute dtype: they need no fp32 master copy.
+    trainable=False freezes the whole model; True keeps each parameter's requires_grad (common/lora.py sets them).
     compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
     model but a policy that also generates with HF's generate (common/rollouts.py switches that one itself).
     """
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
+    if not trainable:
+        model.requires_grad_(False)
+    policy = MixedPrecisionPolicy()  # CPU: fp32 throughout
+    if device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(compute_dtype(precision))
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     if compile_layers:
         compile_model(model)
     fully_shard(model, mp_policy=policy)  # also moves the shards and buffers onto `device`
-    model.requires_grad_(trainable)
     model.train(trainable)
     if packed_rows:
         use_packed_attention(model, device)

@@ -20,6 +20,7 @@ from common.batching import plan_equal_micro_batches
 from common.data import PromptSampler
 from common.distributed import sum_over_ranks
 from common.logprobs import packed_response_logprobs
+from common.lora import adapters_off
 from common.model import stop_token_ids
 from common.preferences import load_preference_rows
 from common.rollouts import load_prompts
@@ -133,7 +134,8 @@ def rows_in_use(rows: list[dict], per_step: int, seed: int, steps: int) -> list[
 
 
 class ReferenceLogps:
-    """The reference policy's log-probs of examples: `frozen` (a model, None with a cache) computes them each time;
+    """The reference policy's log-probs of examples: `frozen` (a model, None with a cache; a LoRA policy, whose base
+    is the reference) computes them each time;
     otherwise they come from `cache` ({row "index": (first, second)}, cached_reference_logps). simpo has neither:
     zeros, which it never reads."""
 
@@ -162,7 +164,7 @@ class ReferenceLogps:
         """Collective when frozen: sets each example's "ref" to (first, second) summed log-probs."""
         if self.frozen is not None:
             logps = [None] * len(examples)
-            with torch.no_grad():
+            with torch.no_grad(), adapters_off(self.frozen):  # a LoRA policy as its own reference: the base
                 for mb in plan_equal_micro_batches([example_length(e) for e in examples], self.budget, self.device):
                     first, second = example_logps(self.frozen, [examples[i] for i in mb])
                     for i, a, b in zip(mb, first.tolist(), second.tolist()):

@@ -26,15 +26,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from common.distributed import raise_on_all_ranks
+from common.lora import lora_layers
 from common.model import checkpoint_dtype
 from common.optim import BadStepCounter, set_hyperparameters
 from common.signals import crash_point, stop_requested
 from sharding.checkpoint import save_hf_checkpoint
 
+# What a state holds of a model that trains: its trained parameters (all of them, or a LoRA model's adapters); loading
+# it leaves the frozen ones as --model gave them.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+LOAD_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_NAME = re.compile(r"state_(\d+)")  # full match only: state_000010.tmp / .old are never loaded
@@ -189,13 +194,14 @@ def read_trainer_state(path: str) -> dict:
 
 
 def _sharded_state(model, optimizer, more: dict | None) -> dict:
-    """This rank's shards (DTensors, no gather) of every model and optimizer, under the names they are saved with."""
+    """This rank's shards (DTensors, no gather) of every model and optimizer, under the names they are saved with: of
+    a model that trains, its trained parameters (a LoRA model's adapters, not its frozen base, which --model gives)."""
     state = {}
     for prefix, (m, o) in [("", (model, optimizer)), *((f"{name}_", pair[:2]) for name, pair in (more or {}).items())]:
         if o is None:  # a model trained otherwise (DPO's moving reference)
             state[prefix + "model"] = get_model_state_dict(m)
         else:
-            state[prefix + "model"], state[prefix + "optimizer"] = get_state_dict(m, o)
+            state[prefix + "model"], state[prefix + "optimizer"] = get_state_dict(m, o, options=TRAINED_ONLY)
     return state
 
 
@@ -225,12 +231,14 @@ def load_training_state(path: str, model, optimizer, scheduler, sampler, more: d
     except Exception as e:  # DCP raises on every rank; its message does not say which checkpoint
         raise ValueError(f"could not load the training state {path} (damaged? --resume with an older state_<step> "
                          f"directory uses that one): {' '.join(str(e).split())[:300]}") from e
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=LOAD_TRAINED_ONLY)
     for name, (m, o, s) in (more or {}).items():
         if o is None:
             set_model_state_dict(m, state[f"{name}_model"])
             continue
-        set_state_dict(m, o, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optimizer"])
+        set_state_dict(m, o, model_state_dict=state[f"{name}_model"], optim_state_dict=state[f"{name}_optimizer"],
+                       options=LOAD_TRAINED_ONLY)
         s.load_state_dict(trainer_state["schedulers"][name])
     if scheduler is not None:
         scheduler.load_state_dict(trainer_state["scheduler"])
@@ -328,14 +336,17 @@ class Checkpoints:
         return info["extra"]
 
     def export(self, step: int) -> None:
-        """HF-format models in <output_dir>/hf_step_<step>/ at --save-every and at the last step."""
+        """HF-format models in <output_dir>/hf_step_<step>/ at --save-every and at the last step. A LoRA model goes
+        as PEFT's adapter directory, and with --export-merged also merged into a full model in its merged/."""
         probes = {"probes": self.probes} if self.probes else {}  # texts the saved tokenizer must encode the same
         if self.args.save_every and step % self.args.save_every == 0 or step == self.args.steps:
             with self.timer("save"), self.on_gpu():
                 for subdir, model in self.exports.items():
-                    save_hf_checkpoint(model, self.tokenizer, os.path.join(self.run_dir.path, f"hf_step_{step}",
-                                                                           subdir),
-                                       checkpoint_dtype(self.args.model), **probes)
+                    path, lora = os.path.join(self.run_dir.path, f"hf_step_{step}", subdir), bool(lora_layers(model))
+                    dtype = checkpoint_dtype(self.args.model)
+                    save_hf_checkpoint(model, self.tokenizer, path, dtype, adapter=lora, **probes)
+                    if lora and self.args.export_merged:
+                        save_hf_checkpoint(model, self.tokenizer, os.path.join(path, "merged"), dtype, **probes)
 
     def save(self, step: int, stop: bool, extra: dict | None = None) -> None:
         """A resumable training state at --save-state-every, at the last step and on a stop (then says how to go on);

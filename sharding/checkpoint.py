@@ -5,6 +5,8 @@ cpu_offload), so no GPU ever holds more than one full tensor; rank 0 writes safe
 checks that the tokenizer reads back, as our scripts load a --model (`load_saved_tokenizer`, which
 common.model.load_tokenizer calls), as the one that trained (transformers picks a tokenizer class by model type, which
 for some types ignores the saved tokenizer: the model would then load with other token ids).
+A LoRA model (sharding/lora.py) is exported as PEFT's adapter directory (its adapters alone, a few MB), or merged
+into the base architecture, a full model.
 """
 
 import json
@@ -15,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from sharding.lora import merged_state_dict, save_peft_adapter, scalings
 
 
 def saved_as_plain_backend(path: str) -> bool:
@@ -49,25 +53,31 @@ def check_tokenizer_round_trip(tokenizer, path: str, probes: list[str]) -> None:
 
 
 def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str, dtype: torch.dtype,
-                       probes: tuple[str, ...] = ("Hello, world! 12 + 34 = 46",)) -> None:
+                       probes: tuple[str, ...] = ("Hello, world! 12 + 34 = 46",), adapter: bool = False) -> None:
     """Collective: every rank calls it. Saves the weights in `dtype` (the original checkpoint's, usually bf16;
     the trainer's master weights are fp32). Atomic: a killed save never leaves a half directory at `path`.
-    probes: texts the saved tokenizer must encode as `tokenizer` does (a few of the run's prompts)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    probes: texts the saved tokenizer must encode as `tokenizer` does (a few of the run's prompts).
+    A LoRA model: merged (W + s B A), or with `adapter` PEFT's adapter directory (only the trained weights are
+    gathered), for `PeftModel.from_pretrained(base, path)` and vLLM's LoRARequest."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
+    state = get_model_state_dict(model, options=options)
     error = None
     if dist.get_rank() == 0:
-        state = {k: v.to(dtype) for k, v in state.items()}
         tmp = path.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=state)
+        if adapter:
+            save_peft_adapter(state, model.peft_config["default"], tmp, dtype)
+        else:
+            state = {k: v.to(dtype) for k, v in merged_state_dict(state, scalings(model)).items()}
+            model.save_pretrained(tmp, state_dict=state)
+            # save_pretrained records the dtype of the (fp32) live parameters; the files hold `dtype`.
+            config_path = os.path.join(tmp, "config.json")
+            with open(config_path) as f:
+                config = json.load(f)
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            with open(config_path, "w") as f:
+                json.dump(config, f, indent=2)
         tokenizer.save_pretrained(tmp)
-        # save_pretrained records the dtype of the (fp32) live parameters; the files hold `dtype`.
-        config_path = os.path.join(tmp, "config.json")
-        with open(config_path) as f:
-            config = json.load(f)
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        with open(config_path, "w") as f:
-            json.dump(config, f, indent=2)
         try:
             check_tokenizer_round_trip(tokenizer, tmp, list(probes))
         except (OSError, ValueError) as e:  # it encodes differently, or transformers cannot read it back at all

@@ -4,13 +4,16 @@ The key idea: every rank gathers each full parameter (`DTensor.full_tensor`, one
 ones in the same order on every rank) and hands it to vLLM's own `load_weights`, which keeps only the slice that
 this rank's tensor-parallel shard needs. Tensors go in size-bounded buckets, so the extra memory is about one bucket
 and never a whole state dict. The check recomputes, on every rank, the slice vLLM should hold and compares it
-element by element with what vLLM actually holds.
+element by element with what vLLM actually holds. A LoRA model's adapted layers go as their merged weights
+W + s B A (sharding/lora.py), under the base checkpoint's names: vLLM, like the check, sees the base architecture.
 """
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from sharding.lora import adapter_weights, base_name, is_adapter_weight, is_lora_layer, merge
 
 # Wrappers (activation checkpointing, FSDP1, torch.compile) that insert a level into parameter names.
 WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -36,10 +39,14 @@ def full_tensor(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def loaded_parameters(model: torch.nn.Module, tied: bool):
     """(checkpoint name, parameter) of every weight vLLM loads, in the model's order: only parameters (the buffers
     of HF decoder models, rotary inv_freq, are recomputed by vLLM, never loaded), and no lm_head when it is tied
-    (vLLM's tied models share embed_tokens and skip "lm_head." when loading). Decided by names alone, so every rank
-    takes part in the same collectives."""
+    (vLLM's tied models share embed_tokens and skip "lm_head." when loading). A LoRA model's adapted layers appear
+    once, by their base weight under its checkpoint name (trainer_weights merges the adapters into it). Decided by
+    names alone, so every rank takes part in the same collectives."""
     for name, param in model.named_parameters():
         name = hf_name(name)
+        if is_adapter_weight(name):
+            continue  # merged into their base weight
+        name = base_name(name)
         if not (tied and name == "lm_head.weight"):
             yield name, param
 
@@ -54,7 +61,7 @@ def weight_shapes(model: torch.nn.Module) -> list[tuple[str, torch.Size]]:
 def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, dtype: torch.dtype):
     """Yields (checkpoint name, full tensor) for every weight vLLM loads (`loaded_parameters`), in the same order on
     every rank. vllm_model None: the receiver is not in this process; the trainer's own config says whether the
-    head is tied.
+    head is tied. An adapted layer of a LoRA model gives W + s B A (its three tensors gathered, merged in fp32).
     """
     config = getattr(vllm_model if vllm_model is not None else model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -63,8 +70,15 @@ def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, 
             # A forward without backward leaves the root's weights gathered, and named_parameters() would then
             # return that gathered copy, stale after an optimizer step; resharding puts the master weights back.
             module.reshard()
+    adapted = {hf_name(name): module for name, module in model.named_modules() if is_lora_layer(module)}
     for name, param in loaded_parameters(model, tied):
-        yield name, full_tensor(param, dtype)
+        layer = adapted.get(name.removesuffix(".weight"))
+        if layer is None:
+            yield name, full_tensor(param, dtype)
+        else:
+            a, b, scaling = adapter_weights(layer)
+            base, a, b = (full_tensor(p, p.dtype) for p in (param, a, b))  # gathered as stored: bf16 base, fp32 A, B
+            yield name, merge(base, a, b, scaling).to(dtype)
 
 
 def buckets(items, size_of, limit_bytes: int):

@@ -1,0 +1,313 @@
+"""LoRA (common/lora.py, sharding/lora.py): the adapters start at the base model, the reference with adapters off is
+the base after training too, 1 rank == 2 ranks, the merged weights vLLM gets are the adapted model, exports load
+through peft (and merged through transformers) with the trained model's log-probs, states hold the adapters alone and
+resume exactly, and bad flags are one line."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import launcher
+import pytest
+import torch
+import torch.distributed as dist
+from gloo import finish_gloo, free_port, init_gloo
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config, Qwen2ForCausalLM
+
+import grpo
+from common.logprobs import compute_logprobs
+from common.lora import adapters_off, add_lora, check_lora_args, flop_weighted_params, linear_layer_names
+from common.model import shard_model
+from test_grpo import fixed_batch
+from test_grpo_e2e import HASH_REWARD, assert_one_line_error, metric_rows, torchrun
+
+CPU = torch.device("cpu")
+LINEARS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def lora_args(rank: int = 4, alpha: float = 8.0, targets=None, **more) -> SimpleNamespace:
+    return SimpleNamespace(**{"lora_rank": rank, "lora_alpha": alpha, "lora_targets": targets, "export_merged": False,
+                              "lora_sync": "merged", **more})
+
+
+def base_model() -> Qwen2ForCausalLM:
+    """Qwen2 with grouped-query attention and q/k/v biases, the same weights every call."""
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def randomise_adapters(model, seed: int = 3) -> None:
+    """B starts at zero (so that the adapters change nothing); a trained B does not."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+
+
+def gathered(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model: adapters on the decoder's linear layers, a frozen base.
+
+def test_adapters_cover_every_linear_layer_and_freeze_the_base():
+    model = add_lora(base_model(), lora_args(), seed=1)
+    assert linear_layer_names(model) == LINEARS  # the adapted layers' base layers are linear layers too
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert len(trained) == 2 * len(LINEARS) * 2  # A and B of 7 layers in each of 2 decoder layers
+    assert model.peft_config["default"].r == 4 and sorted(model.peft_config["default"].target_modules) == LINEARS
+    # The same seed gives the same adapters (every rank builds them alike), and the global stream is left alone.
+    again, expected = base_model(), (torch.manual_seed(5), torch.rand(3))[1]
+    torch.manual_seed(5)
+    add_lora(again, lora_args(), seed=1)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    # Only the named targets, and a critic's value head trains in full beside them.
+    critic = add_lora(AutoModelForTokenClassification.from_config(
+        Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=40, num_labels=1)), lora_args(targets=["q_proj", "v_proj"]),
+        seed=1, heads=("score",))
+    trained = sorted(n for n, p in critic.named_parameters() if p.requires_grad)
+    assert trained == ["model.layers.0.self_attn.q_proj.lora_A.default.weight",
+                       "model.layers.0.self_attn.q_proj.lora_B.default.weight",
+                       "model.layers.0.self_attn.v_proj.lora_A.default.weight",
+                       "model.layers.0.self_attn.v_proj.lora_B.default.weight", "score.bias", "score.weight"]
+    assert critic.peft_config["default"].task_type == "TOKEN_CLS"
+
+
+def test_flop_weighted_parameters_by_hand():
+    """A frozen parameter costs 4 FLOPs per token (forward, input gradient) of a trained one's 6."""
+    full = torch.nn.Linear(10, 10, bias=False)  # 100 trained
+    frozen = torch.nn.Linear(6, 10, bias=False).requires_grad_(False)  # 60 frozen
+    assert flop_weighted_params([full, frozen]) == (100, 100 + 60 * 4 / 6)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(lora_rank=-1), "--lora-rank must be at least 0 (0: full fine-tuning), got -1"),
+    (dict(lora_alpha=0.0), "--lora-alpha must be greater than 0"),
+    (dict(lora_rank=0, lora_targets=["q_proj"]), "--lora-targets needs --lora-rank"),
+    (dict(lora_rank=0, export_merged=True), "--export-merged needs --lora-rank"),
+    (dict(lora_rank=0, lora_sync="adapter"), "--lora-sync needs --lora-rank"),
+])
+def test_bad_lora_flags(flags, message):
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        check_lora_args(lora_args(**flags))
+
+
+def test_a_target_the_model_lacks_names_the_ones_it_has():
+    with pytest.raises(ValueError, match="--lora-targets qkv_proj: Qwen2ForCausalLM's decoder layers have no such "
+                                         "linear layer; they have down_proj gate_proj k_proj o_proj q_proj up_proj "
+                                         "v_proj"):
+        add_lora(base_model(), lora_args(targets=["q_proj", "qkv_proj"]), seed=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference: the base model, at the start and after training.
+
+def reference_after_training(rank: int, port: int, out: str):
+    """On one gloo rank: log-probs of the base model alone, of the LoRA model at its start, of the LoRA model with its
+    adapters off before and after three updates (the reference pass comes first, as in grpo.py with a KL penalty:
+    the adapters must still train after it), and with them on after the updates."""
+    init_gloo(rank, 1, port)
+    samples = fixed_batch()
+    base = shard_model(base_model(), CPU, trainable=False, packed_rows=True)
+    model = shard_model(add_lora(base_model(), lora_args(), seed=1), CPU, packed_rows=True)
+    logps = lambda m: torch.cat(compute_logprobs(m, samples, 64, 1.0, CPU))
+    result = {"base": logps(base), "start": logps(model)}
+    with adapters_off(model):
+        result["off_before"] = logps(model)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    before = gathered(model)
+    for s in samples:
+        s.update(advantage=1.0 if sum(s["response_ids"]) % 2 else -1.0, loss_weight=1.0)
+    for _ in range(3):
+        grpo.update_policy(model, optimizer, samples, grpo.Args(max_response_len=4), 1, CPU, None)
+    with adapters_off(model):
+        result["off_after"] = logps(model)
+    result["on_after"] = logps(model)
+    after = gathered(model)
+    result["changed"] = sorted(n for n in after if not torch.equal(after[n], before[n]))
+    result["names"] = sorted(after)
+    torch.save(result, os.path.join(out, "reference.pt"))
+    finish_gloo()
+
+
+def test_the_reference_with_adapters_off_is_the_base_after_training(tmp_path):
+    launcher.spawn(reference_after_training, args=(free_port(), str(tmp_path)), nprocs=1)
+    r = torch.load(tmp_path / "reference.pt")
+    assert torch.equal(r["start"], r["base"])  # B = 0: exactly the base model at step 0
+    assert torch.equal(r["off_before"], r["base"]) and torch.equal(r["off_after"], r["base"])
+    assert (r["on_after"] - r["base"]).abs().max() > 1e-3  # the adapters learned something
+    adapters = [n for n in r["names"] if ".lora_" in n]
+    assert r["changed"] == adapters  # every adapter trained (after the reference pass), no base weight moved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2: one GRPO update with LoRA on 2 gloo ranks equals the same update on 1 rank.
+
+def lora_update_once(rank: int, world: int, port: int, out_dir: str):
+    init_gloo(rank, world, port)
+    model = add_lora(base_model(), lora_args(), seed=1)
+    randomise_adapters(model)
+    model = shard_model(model, CPU)
+    args = grpo.Args(max_tokens_per_micro_batch=12 if world == 2 else 40, num_mini_batches=2, max_response_len=4)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    samples = fixed_batch()[rank::world]
+    for s, lp in zip(samples, compute_logprobs(model, samples, 16, 1.0, CPU)):
+        s["old_logprobs"] = lp - 0.05
+    stats = grpo.update_policy(model, optimizer, samples, args, world, CPU, generator=None)
+    loss = torch.tensor([stats["loss"]], dtype=torch.float64)
+    dist.all_reduce(loss)
+    state = gathered(model)
+    if rank == 0:
+        torch.save({"loss": loss.item() / world, "state": state}, os.path.join(out_dir, f"world{world}.pt"))
+    finish_gloo()
+
+
+def test_two_ranks_match_one_rank_with_lora(tmp_path):
+    for world in (1, 2):
+        launcher.spawn(lora_update_once, args=(world, free_port(), str(tmp_path)), nprocs=world)
+    one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
+    initial = add_lora(base_model(), lora_args(), seed=1)
+    randomise_adapters(initial)
+    initial = dict(initial.named_parameters())
+    for name, weight in one["state"].items():
+        moved = not torch.equal(weight, initial[name].detach())
+        assert moved == (".lora_" in name), name  # the adapters train, the base stays exactly as it was
+        torch.testing.assert_close(two["state"][name], weight, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights out: merged for vLLM and HF exports, PEFT's adapter directory.
+
+def merged_and_exported(rank: int, port: int, out: str):
+    """On one gloo rank: a LoRA model with trained (random) adapters, and what leaves it: the merged stream vLLM would
+    get, loaded into the plain base architecture; the adapter export loaded by peft on the base; the merged export
+    loaded by transformers; a LoRA critic's adapter export (adapters and value head) loaded by peft on its base. The
+    log-probs (values) of each, and of the live models, on the same samples."""
+    from peft import PeftModel
+
+    from common.synthetic import build_tiny_tokenizer
+    from common.value_models import compute_values
+    from sharding.checkpoint import save_hf_checkpoint
+    from sharding.vllm_sync import trainer_weights, weight_shapes
+
+    init_gloo(rank, 1, port)
+    tokenizer, samples = build_tiny_tokenizer(), fixed_batch()
+    sharded = lambda m: m if isinstance(m, FSDPModule) else shard_model(m, CPU, trainable=False, packed_rows=True)
+    logps = lambda m: torch.cat(compute_logprobs(sharded(m), samples, 64, 1.0, CPU))
+    model = add_lora(base_model(), lora_args(), seed=1)
+    randomise_adapters(model)
+    model = shard_model(model, CPU, packed_rows=True)
+    result = {"trained": logps(model), "shapes": weight_shapes(model), "base": logps(base_model())}
+    stream = {n: t.clone() for n, t in trainer_weights(model, None, torch.float32)}
+    plain = base_model()
+    result["stream_names"], result["plain_names"] = list(stream), list(plain.state_dict())
+    plain.load_state_dict(stream, strict=False)  # the tied head comes with the embeddings
+    result["stream"] = logps(plain)
+    for kind in ("adapter", "merged"):
+        save_hf_checkpoint(model, tokenizer, os.path.join(out, kind), torch.float32, probes=("max 3 4 =",),
+                           adapter=kind == "adapter")
+    result["adapter"] = logps(PeftModel.from_pretrained(base_model(), os.path.join(out, "adapter")).base_model.model)
+    result["merged"] = logps(AutoModelForCausalLM.from_pretrained(os.path.join(out, "merged")))
+
+    torch.manual_seed(0)
+    critic = AutoModelForTokenClassification.from_config(Qwen2Config(**{**base_model().config.to_dict(),
+                                                                        "num_labels": 1}))
+    critic.save_pretrained(os.path.join(out, "critic_base"))
+    critic = add_lora(critic, lora_args(), seed=2, heads=("score",))
+    randomise_adapters(critic, seed=4)
+    with torch.no_grad():  # a trained value head
+        for p in critic.score.parameters():
+            p.add_(0.1)
+    critic = shard_model(critic, CPU, packed_rows=True)
+    result["values"] = torch.cat(compute_values(critic, samples, 64, CPU))
+    save_hf_checkpoint(critic, tokenizer, os.path.join(out, "critic"), torch.float32, probes=("max 3 4 =",),
+                       adapter=True)
+    loaded = PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(
+        os.path.join(out, "critic_base")), os.path.join(out, "critic")).base_model.model
+    result["loaded_values"] = torch.cat(compute_values(sharded(loaded), samples, 64, CPU))
+    torch.save(result, os.path.join(out, "exports.pt"))
+    finish_gloo()
+
+
+def test_merged_weights_and_exports_give_the_trained_model(tmp_path):
+    launcher.spawn(merged_and_exported, args=(free_port(), str(tmp_path)), nprocs=1)
+    r = torch.load(tmp_path / "exports.pt")
+    # The stream holds the base architecture's names and shapes (tied head left out, as vLLM loads it).
+    assert r["stream_names"] == [n for n in r["plain_names"] if n != "lm_head.weight"]
+    assert [n for n, _ in r["shapes"]] == r["stream_names"]
+    assert (r["trained"] - r["base"]).abs().max() > 1e-2  # the adapters change the model
+    for kind in ("stream", "adapter", "merged"):
+        torch.testing.assert_close(r[kind], r["trained"], rtol=1e-5, atol=1e-5, msg=kind)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["task_type"] == "CAUSAL_LM"
+    assert os.listdir(tmp_path / "adapter").count("adapter_model.safetensors") == 1
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()  # adapters alone, not the base
+    torch.testing.assert_close(r["loaded_values"], r["values"], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scripts: a LoRA run resumes exactly with states of adapters alone; bad flags are one line.
+
+LORA = ["--lora-rank", "4", "--lora-targets", "q_proj", "v_proj", "up_proj", "--lr", "0.01"]
+RESUMABLE = ["--steps", "6", "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "16", "--eval-every", "3",
+             "--save-state-every", "2", "--keep-checkpoints", "0", "--kl-coef", "0.05", "--reward-fn",
+             "hash_reward.py:reward", "--skip-reward-check", *LORA]
+
+
+def test_killed_lora_run_resumes_exactly_from_states_of_adapters_alone(tmp_path):
+    """grpo.py --lora-rank with a KL penalty (its reference the base): killed after step 4's state, resumed, it equals
+    an uninterrupted run metric for metric and adapter for adapter. The state holds the adapters and their Adam
+    moments only; the export is PEFT's adapter directory and, with --export-merged, a full model in merged/. The
+    same run directory with another --lora-rank is one line."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    (tmp_path / "hash_reward.py").write_text(HASH_REWARD)
+    assert torchrun([*RESUMABLE, "--output-dir", str(whole)], tmp_path).returncode == 0
+    args = [*RESUMABLE, "--output-dir", str(killed), "--export-merged"]
+    crashed = torchrun(args, tmp_path, env={"NANORL_TEST_CRASH": "after_state:4"})
+    assert crashed.returncode != 0 and not (killed / "hf_step_6").exists(), crashed.stderr[-3000:]
+    result = torchrun(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {killed / 'state_000004'} at step 4" in result.stdout + result.stderr
+    assert metric_rows(killed) == metric_rows(whole)
+    assert metric_rows(whole)[-1]["loss/kl"] > 0  # the reference (the base) differs from the trained policy
+
+    saved = FileSystemReader(str(killed / "state_000006")).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("model.")]
+    assert len(weights) == 2 * 3 * 2 and all(".lora_A." in k or ".lora_B." in k for k in weights)  # 2 layers x 3
+    assert {k.split(".")[3] for k in saved if k.startswith("optimizer.state.")} == {"layers"}  # adapters' moments
+    adapters = {k: v for k, v in _safetensors(whole / "hf_step_6" / "adapter_model.safetensors").items()}
+    assert adapters.keys() == _safetensors(killed / "hf_step_6" / "adapter_model.safetensors").keys()
+    assert all(torch.equal(v, _safetensors(killed / "hf_step_6" / "adapter_model.safetensors")[k])
+               for k, v in adapters.items())
+    assert all(k.startswith("base_model.model.model.layers.") for k in adapters)
+    assert AutoModelForCausalLM.from_pretrained(killed / "hf_step_6" / "merged") is not None
+
+    other = torchrun([*args, "--lora-rank", "8", "--steps", "8"], tmp_path)
+    assert_one_line_error(other, "--lora-rank")
+
+
+def _safetensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def test_bad_lora_flags_are_one_line(tmp_path):
+    tiny = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "4", "--eval-every", "0"]
+    assert_one_line_error(torchrun([*tiny, "--lora-rank", "-2"], tmp_path, nproc=1),
+                          "--lora-rank must be at least 0 (0: full fine-tuning), got -2")
+    assert_one_line_error(torchrun([*tiny, "--lora-rank", "4", "--lora-targets", "qkv"], tmp_path, nproc=1),
+                          "--lora-targets qkv: LlamaForCausalLM's decoder layers have no such linear layer; they have "
+                          "down_proj gate_proj k_proj o_proj q_proj up_proj v_proj")
+    assert_one_line_error(torchrun(["--lora-rank", "4", "--online", "--ref-update-every", "2"], tmp_path, nproc=1,
+                                   script="dpo.py"), "--ref-update-every does not combine with --lora-rank")
