@@ -118,6 +118,9 @@ class HFRolloutEngine:
     def check_weights(self, model) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 def decided_by_any_rank(flag: bool, device) -> bool:
     """Collective (where torch.distributed runs): whether `flag` holds on any rank."""
@@ -156,8 +159,9 @@ def resolve_engine_kind(kind: str) -> str:
 def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
                         tp_size: int, gpu_memory: float | None, max_model_len: int, seed: int, enforce_eager: bool,
                         sync_bucket_mb: int, sleep_level: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                        max_sequences: int = 256):
-    """kind: "vllm", "hf" or "auto" (see resolve_engine_kind). vLLM's memory and sleep: see VLLMRolloutEngine."""
+                        max_sequences: int = 256, lora: dict | None = None):
+    """kind: "vllm", "hf" or "auto" (see resolve_engine_kind). vLLM's memory and sleep, and `lora` (adapters through
+    vLLM's LoRA layers): see VLLMRolloutEngine. The HF engine generates with the policy itself, adapters and all."""
     kind = resolve_engine_kind(kind)
     if kind == "hf":
         return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
@@ -165,5 +169,5 @@ def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token
         return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
                                  max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
                                  enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb,
-                                 sleep_level=sleep_level, dtype=dtype, max_sequences=max_sequences)
+                                 sleep_level=sleep_level, dtype=dtype, max_sequences=max_sequences, lora=lora)
     raise ValueError(f"--rollout-engine must be auto, hf or vllm, got {kind!r}")

@@ -57,6 +57,10 @@ def check_lora_args(args) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} needs --lora-rank (LoRA is off)")
         if args.lora_sync != "merged":
             raise ValueError("--lora-sync needs --lora-rank (LoRA is off)")
+    if args.lora_sync == "adapter" and (getattr(args, "rollout_ranks", 0) or getattr(args, "rollout_engine", "")
+                                        != "vllm"):
+        raise ValueError("--lora-sync adapter needs vLLM colocated with the trainer (split placement's rollout ranks "
+                         "and the hf engine take merged weights)")
     if args.lora_targets is not None and not args.lora_targets:
         raise ValueError("--lora-targets names no layer; leave it unset for every linear layer of attention and MLP")
 

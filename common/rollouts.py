@@ -261,11 +261,15 @@ class Rollouts:
             if placement.rank == 0:
                 save_model_config(args.model, tokenizer, model_dir)
             dist.barrier()
+            lora = None  # --lora-sync adapter: the adapters through vLLM's LoRA layers, each rank's directory its own
+            if args.lora_rank and args.lora_sync == "adapter":
+                lora = {"rank": args.lora_rank, "targets": sorted(policy.peft_config["default"].target_modules),
+                        "dir": os.path.join(output_dir, "vllm_adapters", f"rank{placement.rank}")}
             self.engine = make_rollout_engine(
                 args.rollout_engine, policy, model_dir, tokenizer, stop_token_ids(args.model, tokenizer),
                 placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
                 args.seed, args.rollout_eager, args.sync_bucket_mb, args.rollout_sleep_level,
-                compute_dtype(args.precision), sequences_at_once(args, placement.world, len(eval_rows)))
+                compute_dtype(args.precision), sequences_at_once(args, placement.world, len(eval_rows)), lora)
             if getattr(self.engine, "llm", None) is not None:
                 memory = f"{self.engine.kv_cache_gib:.1f} GiB of KV cache" if self.engine.kv_cache_gib else \
                     f"{args.rollout_gpu_memory:.0%} of the GPU"
@@ -358,6 +362,8 @@ class Rollouts:
             self.scorer.close()
         if self.multi_turn is not None:
             self.multi_turn.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the data position and the evaluations so far."""

@@ -14,6 +14,10 @@ What sleeping frees (sleep_level), and what the next sync then pays for (benchma
   None: 0 when vLLM's weights take at most 15% of the GPU's memory, else 2.
 Mapping memory back costs about 1-5 ms per GB, so the KV cache is sized by default to what a rollout needs
 (`kv_cache_gib`), not to a share of the GPU.
+A LoRA policy reaches vLLM merged into full weights, like any other, or with `lora` (--lora-sync adapter) through
+vLLM's own LoRA layers: the base streamed in once, then each update's adapters as a PEFT directory (each rank its
+own, under the run's directory), loaded under a new name and id (sharding/vllm_lora.py). The base must then survive sleep: level
+0 or 1, never 2.
 vllm itself is imported inside the methods that use it: it is optional (GPU only), and common/engines.py imports
 this module on every machine.
 """
@@ -21,6 +25,7 @@ this module on every machine.
 import hashlib
 import math
 import os
+import shutil
 import time
 
 import torch
@@ -28,7 +33,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from common.completion import Completion
-from sharding.vllm_sync import check_weight_sync, sync_weights_to_vllm
+from sharding.vllm_lora import vllm_max_rank, write_adapter
+from sharding.vllm_sync import adapter_tensors, check_weight_sync, sync_weights_to_vllm
 
 
 def request_seed(step_seed: int, replica: int, request_index: int | str) -> int:
@@ -61,24 +67,30 @@ def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_m
     return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
 
 
-def default_sleep_level(weight_bytes: int, device_bytes: int) -> int:
-    """0 (weights stay on the GPU) when they take at most KEEP_WEIGHTS_UP_TO of it, else 2 (dropped)."""
-    return 0 if weight_bytes <= KEEP_WEIGHTS_UP_TO * device_bytes else 2
+def default_sleep_level(weight_bytes: int, device_bytes: int, keep_weights: bool = False) -> int:
+    """0 (weights stay on the GPU) when they take at most KEEP_WEIGHTS_UP_TO of it, else 2 (dropped), or with
+    keep_weights (a base loaded once) 1 (parked in CPU memory)."""
+    return 0 if weight_bytes <= KEEP_WEIGHTS_UP_TO * device_bytes else 1 if keep_weights else 2
 
 
 class VLLMRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float | None, max_model_len: int,
                  stop_token_ids: list[int], seed: int, enforce_eager: bool = False,
                  dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int | None = None,
-                 max_sequences: int = 256):
+                 max_sequences: int = 256, lora: dict | None = None):
         """Call on every rank, after torch.distributed is initialised; model_path needs only config.json.
 
         gpu_memory_utilization: vLLM's share of the GPU (weights and KV cache); above 1, GiB of KV cache; None, the KV
         cache of max_sequences sequences at once (kv_cache_gib). sleep_level: see the module's docstring. After
-        level 2 the engine cannot generate until `update_weights` has loaded the trainer's weights.
+        level 2 the engine cannot generate until `update_weights` has loaded the trainer's weights. lora: {"rank",
+        "targets", "dir"} of a LoRA policy whose adapters go to vLLM's LoRA layers, written under "dir" (see the
+        module's docstring).
         """
         if sleep_level not in (None, 0, 1, 2):
             raise ValueError(f"the rollout engine's sleep level is 0, 1 or 2, got {sleep_level}")
+        if lora and sleep_level == 2:
+            raise ValueError("--rollout-sleep-level 2 drops vLLM's base weights, which --lora-sync adapter loads once: "
+                             "use 0 or 1")
         from vllm import LLM
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,18 +120,25 @@ class VLLMRolloutEngine:
         # processes on the GPU change their memory use meanwhile (several runs sharing one GPU: scripts/ablate.py).
         memory = dict(gpu_memory_utilization=gpu_memory_utilization) if self.kv_cache_gib is None else \
             dict(gpu_memory_utilization=0.01, kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30))
+        # One adapter slot: a version's requests all finish before the next version is loaded.
+        adapters = {} if not lora else dict(enable_lora=True, max_lora_rank=vllm_max_rank(lora["rank"]), max_loras=1,
+                                            max_cpu_loras=2, lora_target_modules=list(lora["targets"]))
+        self.lora_request, self.base_loaded, self.adapter_dir = None, False, lora["dir"] if lora else None
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)  # a killed run's
         self.llm = LLM(
             model=model_path, distributed_executor_backend="external_launcher", tensor_parallel_size=tp_size,
             enable_sleep_mode=True, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
             load_format="dummy",  # the real weights arrive with the first update_weights
             **memory, max_model_len=max_model_len,
-            dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager)
+            dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager, **adapters)
         # vLLM's worker and model object in this process (V1 engine, in-process executor); get_model() unwraps CUDA
         # graphs.
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.vllm_model = self.worker.get_model()
         weight_bytes = self._allocated_bytes("weights")  # what level 0 keeps mapped
-        self.sleep_level = default_sleep_level(weight_bytes, device_bytes) if sleep_level is None else sleep_level
+        self.sleep_level = default_sleep_level(weight_bytes, device_bytes, keep_weights=bool(lora)) \
+            if sleep_level is None else sleep_level
 
     def _gather_prompts(self, prompt_ids: list[list[int]]) -> list[list[list[int]]]:
         """Prompts of every rank of this replica, by TP rank: [tp_size][num_prompts_of_that_rank][tokens]."""
@@ -159,7 +178,7 @@ class VLLMRolloutEngine:
             return results
         # LLM.generate's loop, by hand, to see each request finish. enqueue returns vLLM's internal ids, the id it
         # was given plus "-" and a random suffix; outputs carry the given id.
-        ids = self.llm.enqueue(requests, params, use_tqdm=False)
+        ids = self.llm.enqueue(requests, params, lora_request=self.lora_request, use_tqdm=False)
         index = {request_id.split("-", 1)[0]: i for i, request_id in enumerate(ids)}
         while self.llm.llm_engine.has_unfinished_requests():
             for output in self.llm.llm_engine.step():  # final outputs only: all n samples of a request at once
@@ -205,7 +224,7 @@ class VLLMRolloutEngine:
                         flat_logprobs=True, detokenize=False))
                     asked.append((rank, turn.key))
             if requests:
-                ids = self.llm.enqueue(requests, params, use_tqdm=False)
+                ids = self.llm.enqueue(requests, params, lora_request=self.lora_request, use_tqdm=False)
                 keys.update({request_id.split("-", 1)[0]: who for request_id, who in zip(ids, asked)})
             if engine.has_unfinished_requests():
                 for output in engine.step():
@@ -222,7 +241,12 @@ class VLLMRolloutEngine:
             # restores vLLM's buffers, e.g. rotary tables, from the CPU); after level 1 it copies the old weights back.
             self.llm.wake_up(tags=["weights"])
         synced = time.perf_counter()
-        num_bytes = sync_weights_to_vllm(model, self.vllm_model, self.sync_bucket_mb, self.dtype)
+        num_bytes = 0
+        if self.adapter_dir is None or not self.base_loaded:  # with LoRA layers: the base, once
+            num_bytes += sync_weights_to_vllm(model, self.vllm_model, self.sync_bucket_mb, self.dtype)
+            self.base_loaded = True
+        if self.adapter_dir is not None:
+            num_bytes += self._load_adapters(model)
         sync_seconds = time.perf_counter() - synced
         if self.asleep:
             self._wake_kv_cache()
@@ -231,6 +255,26 @@ class VLLMRolloutEngine:
         return {"sync/seconds": sync_seconds, "sync/gb": num_bytes / 1e9,
                 "sync/gb_per_s": num_bytes / 1e9 / max(sync_seconds, 1e-9),
                 "sync/wake_seconds": time.perf_counter() - start - sync_seconds}
+
+    def _load_adapters(self, model: torch.nn.Module) -> int:
+        """Collective: the policy's adapters as this version of vLLM's LoRA adapter (a new name and id, which the
+        requests carry from now on), written by each rank into its own directory (each rank reads the whole
+        adapter and keeps its tensor-parallel slice); the previous version is removed. Returns the bytes written."""
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        path = os.path.join(self.adapter_dir, f"v{version}")
+        num_bytes = write_adapter(adapter_tensors(model, self.dtype), model.peft_config["default"], path, self.dtype)
+        from vllm.lora.request import LoRARequest
+        request = LoRARequest(f"policy-v{version}", version, path)
+        self.llm.llm_engine.add_lora(request)  # into the GPU slot now: the weights are awake
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = request
+        return num_bytes
+
+    def close(self) -> None:
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def sleep(self) -> None:
         """Frees vLLM's KV cache, and at levels 1 and 2 its weights, so that the trainer can use the memory."""
@@ -294,7 +338,10 @@ class VLLMRolloutEngine:
         """Collective: raises RuntimeError naming the first mismatching tensors (see check_weight_sync)."""
         if self.asleep:
             raise RuntimeError("check_weights reads vLLM's weights: call it after update_weights, before sleep")
-        check_weight_sync(model, self.vllm_model)
+        slot = None
+        if self.lora_request is not None:  # the adapters' GPU slot in vLLM's LoRA layers
+            slot = self.vllm_model.lora_manager.lora_index_to_id.index(self.lora_request.lora_int_id)
+        check_weight_sync(model, self.vllm_model, lora_slot=slot)
 
 
 def to_completion(output) -> Completion:

@@ -15,6 +15,11 @@
 #                                                        # machine (12 steps each): does a level change anything but
 #                                                        # the sleep and the sync?
 #                                                        # BASELINE=DIR adds an older checkout's grpo.py at level 1
+#   bash scripts/gpu_checks.sh lora OUTDIR [GPU]         # LoRA: the GPU tests of both --lora-sync ways, then
+#                                                        # scripts/bench_lora.py at the 7B shape, merged and adapter
+#                                                        # (BENCH_FLAGS: e.g. --eager)
+#   bash scripts/gpu_checks.sh lora-7b OUTDIR [GPU]      # grpo.py --lora-rank 32 at the 7B shape on one GPU, colocated
+#                                                        # vLLM, 256 samples of 512-1,024 tokens a step: memory, time
 #   bash scripts/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
 #                                                        # (SHAPE=7b SCRATCH=/dev/shm ... dpo OUT 0,1: 7B over 2 GPUs)
@@ -37,7 +42,7 @@ def reward(prompt, completion, answer):
 PY
 shape=${SHAPE:-$([ "$mode" = dpo ] && echo 1.5b || echo 0.5b)}
 model=/tmp/qwen${shape}_$mode  # one per mode: modes may run side by side on one machine
-[ "$mode" = 7b ] || python3 scripts/random_model.py --shape $shape --out $model || exit 1
+case $mode in 7b|lora*) ;; *) python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
 SMALL="--model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
 GRPO="grpo.py $SMALL"
@@ -140,6 +145,34 @@ elif [ "$mode" = 7b ]; then
     --rollout-eager --rollout-tp "$tp" --resume none --overwrite --output-dir "${SCRATCH:-/tmp}/$name"
   kill $smi; rm -rf "${SCRATCH:-/tmp}/$name"  # the 7B training state is about 90 GB
   echo "$name device memory peak (MiB, per GPU):" $(sort -t, -k1,1n -k2,2n "$out/${name}_memory.csv" | awk -F, '{m[$1]=$2} END {for (i in m) printf "%s:%s ", i, m[i]}')
+fi
+# A 7B model whose responses end after about 1,000 tokens (a random model samples about uniformly; bench_lora.py
+# generates with ignore_eos), built once per machine.
+if [ "$mode" = lora ] || [ "$mode" = lora-7b ]; then
+  [ -d /tmp/qwen7b_stop1000 ] || python3 scripts/random_model.py --shape 7b --stop-every 1000 --out /tmp/qwen7b_stop1000 \
+    || exit 1
+fi
+if [ "$mode" = lora ]; then
+  run gpu_tests_lora 400 ${3:-0} python3 -m pytest -m gpu tests/test_gpu.py -k lora -q -rs -s -p no:cacheprovider
+  for m in merged adapter; do
+    run lora_bench_$m 330 ${3:-0} torchrun --standalone --nproc_per_node 1 scripts/bench_lora.py \
+      --model /tmp/qwen7b_stop1000 --mode $m ${BENCH_FLAGS:-} --out "$out/lora_bench_$m.json"
+  done
+fi
+if [ "$mode" = lora-7b ]; then
+  # 32 prompts of 512 tokens x 8 responses of up to 512 (geometric, mean about 400): samples of 512-1,024 tokens.
+  python3 scripts/random_data.py prompts --rows 600 --prompt-len 512 --out /tmp/prompts512.jsonl || exit 1
+  g=${3:-0}; name=grpo_lora_7b_1gpu
+  nvidia-smi -i "$g" --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 > "$out/${name}_memory.csv" & smi=$!
+  run $name 480 $g torchrun --standalone --nproc_per_node 1 grpo.py --model /tmp/qwen7b_stop1000 \
+    --dataset /tmp/prompts512.jsonl --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check \
+    --lora-rank 32 --lr 1e-4 --prompts-per-step 32 --group-size 8 --max-prompt-len 512 --max-response-len 512 \
+    --steps ${STEPS:-3} --eval-every 0 --eval-size 16 --activation-checkpointing --check-weight-sync \
+    --rollout-engine vllm --rollout-eager --save-state-every 0 --resume none --overwrite --output-dir /tmp/$name $EXTRA
+  kill $smi
+  du -sh /tmp/$name/state_* /tmp/$name/hf_step_* | tee "$out/${name}_sizes.txt"
+  summary $name /tmp/$name
+  echo "$name device memory peak (MiB):" $(sort -t, -k2,2n "$out/${name}_memory.csv" | tail -n 1)
 fi
 # ppo makes both PPO runs, ppo-sync and ppo-verl one each (each fits in a 10-minute call, the two together may not).
 if [ "$mode" = ppo ] || [ "$mode" = ppo-sync ]; then

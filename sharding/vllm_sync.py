@@ -5,7 +5,8 @@ ones in the same order on every rank) and hands it to vLLM's own `load_weights`,
 this rank's tensor-parallel shard needs. Tensors go in size-bounded buckets, so the extra memory is about one bucket
 and never a whole state dict. The check recomputes, on every rank, the slice vLLM should hold and compares it
 element by element with what vLLM actually holds. A LoRA model's adapted layers go as their merged weights
-W + s B A (sharding/lora.py), under the base checkpoint's names: vLLM, like the check, sees the base architecture.
+W + s B A (sharding/lora.py), under the base checkpoint's names: vLLM, like the check, sees the base architecture;
+or, into a vLLM with LoRA layers of its own (sharding/vllm_lora.py), the base alone, and the adapters apart.
 """
 
 import torch
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from sharding.lora import adapter_weights, base_name, is_adapter_weight, is_lora_layer, merge
+from sharding.lora import ADAPTER, adapter_weights, base_name, is_adapter_weight, is_lora_layer, merge
+from sharding.vllm_lora import adapter_slices, is_vllm_lora_layer, lora_base_names
 
 # Wrappers (activation checkpointing, FSDP1, torch.compile) that insert a level into parameter names.
 WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -58,10 +60,16 @@ def weight_shapes(model: torch.nn.Module) -> list[tuple[str, torch.Size]]:
     return [(name, p.shape) for name, p in loaded_parameters(model, tied)]
 
 
+def has_lora_layers(vllm_model: torch.nn.Module | None) -> bool:
+    """vLLM built with enable_lora: it takes a LoRA model's base and adapters apart (sharding/vllm_lora.py)."""
+    return getattr(vllm_model, "lora_manager", None) is not None
+
+
 def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, dtype: torch.dtype):
     """Yields (checkpoint name, full tensor) for every weight vLLM loads (`loaded_parameters`), in the same order on
     every rank. vllm_model None: the receiver is not in this process; the trainer's own config says whether the
-    head is tied. An adapted layer of a LoRA model gives W + s B A (its three tensors gathered, merged in fp32).
+    head is tied. An adapted layer of a LoRA model gives W + s B A (its three tensors gathered, merged in fp32), or
+    its base W alone for a vLLM with LoRA layers of its own.
     """
     config = getattr(vllm_model if vllm_model is not None else model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -70,7 +78,8 @@ def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, 
             # A forward without backward leaves the root's weights gathered, and named_parameters() would then
             # return that gathered copy, stale after an optimizer step; resharding puts the master weights back.
             module.reshard()
-    adapted = {hf_name(name): module for name, module in model.named_modules() if is_lora_layer(module)}
+    adapted = {} if has_lora_layers(vllm_model) else \
+        {hf_name(name): module for name, module in model.named_modules() if is_lora_layer(module)}
     for name, param in loaded_parameters(model, tied):
         layer = adapted.get(name.removesuffix(".weight"))
         if layer is None:
@@ -79,6 +88,13 @@ def trainer_weights(model: torch.nn.Module, vllm_model: torch.nn.Module | None, 
             a, b, scaling = adapter_weights(layer)
             base, a, b = (full_tensor(p, p.dtype) for p in (param, a, b))  # gathered as stored: bf16 base, fp32 A, B
             yield name, merge(base, a, b, scaling).to(dtype)
+
+
+def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Collective: {name of each A and B weight ("...q_proj.lora_A.default.weight"): its full tensor in `dtype`} of a
+    LoRA model, gathered in the same order on every rank."""
+    return {hf_name(name): full_tensor(param, dtype) for name, param in model.named_parameters()
+            if is_adapter_weight(hf_name(name))}
 
 
 def buckets(items, size_of, limit_bytes: int):
@@ -108,11 +124,12 @@ def sync_weights_to_vllm(model: torch.nn.Module, vllm_model: torch.nn.Module, bu
 
     A bucket is loaded once adding the next tensor would take it past `bucket_mb` (a tensor bigger than that,
     like a large embedding, goes alone). Fewer, larger `load_weights` calls amortise vLLM's Python overhead.
+    A vLLM with LoRA layers gets the base weights under its wrapped layers' names (their adapters go apart).
     """
-    total_bytes = 0
+    total_bytes, rename = 0, lora_base_names(vllm_model) if has_lora_layers(vllm_model) else (lambda name: name)
     for bucket in buckets(trainer_weights(model, vllm_model, dtype), lambda item: num_bytes(item[1]),
                           bucket_mb * 2**20):
-        vllm_model.load_weights(bucket)
+        vllm_model.load_weights([(rename(name), tensor) for name, tensor in bucket])
         total_bytes += sum(num_bytes(tensor) for _, tensor in bucket)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copies into vLLM's weights are asynchronous; the caller times the sync
@@ -148,6 +165,8 @@ def vllm_slices(vllm_model: torch.nn.Module, name: str, full: torch.Tensor):
         fused, index = part_of[leaf]
         module_path = f"{parent}.{fused}" if parent else fused
     module = vllm_model.get_submodule(module_path)
+    if is_vllm_lora_layer(module):  # vLLM's LoRA wrapper: the weights are its base layer's
+        module, module_path = module.base_layer, f"{module_path}.base_layer"
     local = getattr(module, param_name).data
     vllm_name = f"{module_path}.{param_name}"
 
@@ -181,15 +200,33 @@ def vllm_slices(vllm_model: torch.nn.Module, name: str, full: torch.Tensor):
                               f"(vLLM holds {tuple(local.shape)}, the trainer {tuple(full.shape)})")
 
 
+def compared_slices(model: torch.nn.Module, vllm_model: torch.nn.Module, dtype: torch.dtype, lora_slot: int | None):
+    """Collective. Yields (trainer name, vLLM name, [(view of vLLM's tensor, what it must equal)]) for every weight
+    vLLM holds, one full tensor at a time, then for the adapter of each LoRA layer in vLLM's `lora_slot`."""
+    for name, full in trainer_weights(model, vllm_model, dtype):
+        yield name, *vllm_slices(vllm_model, name, full)
+    if lora_slot is None:
+        return
+    adapters = adapter_tensors(model, torch.float32)
+    for layer, module in model.named_modules():
+        if is_lora_layer(module):
+            layer = hf_name(layer)
+            a, b = adapters[f"{layer}.lora_A.{ADAPTER}.weight"], adapters[f"{layer}.lora_B.{ADAPTER}.weight"]
+            yield f"{layer} adapter", None, adapter_slices(vllm_model, lora_slot, layer, a, b, module.scaling[ADAPTER])
+
+
 @torch.no_grad()
-def check_weight_sync(model: torch.nn.Module, vllm_model: torch.nn.Module, max_reported: int = 5) -> None:
+def check_weight_sync(model: torch.nn.Module, vllm_model: torch.nn.Module, max_reported: int = 5,
+                      lora_slot: int | None = None) -> None:
     """Raises RuntimeError on every rank if any rank's vLLM weights differ from the trainer's (cast to vLLM's dtype).
 
     Collective: call on every rank. Each rank checks its own tensor-parallel shard element by element, against
     the slice of the trainer's full tensor that vLLM's loader would have put there, and also that every vLLM
     parameter received some trainer tensor. The mismatch count is then summed over all ranks, so all ranks fail
     together (naming the tensors where they failed) instead of one rank raising while the others hang.
-    The error quotes float64 sums (checksums) of both sides and the largest difference.
+    The error quotes float64 sums (checksums) of both sides and the largest difference. With vLLM's LoRA layers
+    (sharding/vllm_lora.py), the base weights are compared with the trainer's base, and the adapter in `lora_slot`
+    of every LoRA buffer with the trainer's adapters.
 
     Limits: the layouts known are those of Qwen2/Llama-style dense decoders (fused qkv_proj and gate_up_proj,
     column/row-parallel linears, vocab-parallel embeddings, replicated norms), unquantized, without pipeline
@@ -201,8 +238,7 @@ def check_weight_sync(model: torch.nn.Module, vllm_model: torch.nn.Module, max_r
     vllm_params = dict(vllm_model.named_parameters())
     dtype = next(iter(vllm_params.values())).dtype
     covered, mismatches = set(), []
-    for name, full in trainer_weights(model, vllm_model, dtype):
-        vllm_name, pairs = vllm_slices(vllm_model, name, full)
+    for name, vllm_name, pairs in compared_slices(model, vllm_model, dtype, lora_slot):
         covered.add(vllm_name)
         for actual, expected in pairs:
             if not torch.equal(actual, expected):

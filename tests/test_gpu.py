@@ -248,3 +248,63 @@ def test_each_group_is_handed_over_as_soon_as_it_is_complete(colocated):
     assert all(len(group) == 4 for group in outputs)
     assert len({len(c.response_ids) for group in outputs for c in group}) > 1
     assert max(unfinished) > 0, unfinished
+
+
+def test_a_lora_policy_reaches_vllm_merged(colocated):
+    """--lora-sync merged (the default): a LoRA policy's adapters go merged into its base weights, checked like any
+    other weights; an adapter changed after the sync is found under its layer's weight."""
+    from types import SimpleNamespace
+
+    from common.lora import add_lora
+    from common.model import shard_model
+
+    _, engine = colocated
+    torch.manual_seed(0)
+    model = add_lora(AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), dtype=torch.float32),
+                     SimpleNamespace(lora_rank=8, lora_alpha=16.0, lora_targets=None), seed=1)
+    with torch.no_grad():  # trained adapters (B starts at zero, which would merge to the base)
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.05)
+    policy = shard_model(model, torch.device("cuda", 0))
+    engine.update_weights(policy)
+    engine.check_weights(policy)
+    with torch.no_grad():
+        policy.model.layers[1].self_attn.v_proj.lora_B["default"].weight.add_(0.5)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.self_attn\.v_proj\.weight"):
+        engine.check_weights(policy)
+    engine.update_weights(policy)
+    engine.check_weights(policy)
+
+
+@pytest.mark.parametrize("sync, level", [("adapter", 0), ("adapter", 1), ("merged", None)])
+def test_lora_runs_with_every_sync_checked(tmp_path, sync, level):
+    """grpo.py --lora-rank 8 on a small random Qwen2 with vLLM, both ways of reaching it: --lora-sync adapter (the base
+    loaded once, each update's adapters through vLLM's LoRA layers, at sleep levels 0 and 1, which parks the LoRA
+    buffers with the weights) and merged; --check-weight-sync compares base and adapters (or the merged weights)
+    after every sync, and vLLM's log-probs stay those of the trainer."""
+    import json
+    import subprocess
+    import sys
+
+    from scripts.random_model import full_vocab_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), dtype=torch.bfloat16).save_pretrained(model_dir)
+    full_vocab_tokenizer(1000).save_pretrained(model_dir)
+    flags = ["--model", str(model_dir), "--lora-rank", "8", "--lora-sync", sync, "--check-weight-sync",
+             "--rollout-engine", "vllm", "--rollout-eager", "--steps", "4", "--lr", "1e-3", "--prompts-per-step", "8",
+             "--group-size", "8", "--max-response-len", "16", "--eval-every", "2", "--eval-size", "16",
+             "--logprob-diff-every", "1", "--output-dir", str(tmp_path / "run")]
+    flags += [] if level is None else ["--rollout-sleep-level", str(level)]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                             os.path.join(root, "grpo.py"), *flags], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [r["rollout/logprob_diff"] for r in rows if "rollout/logprob_diff" in r]
+    print(sync, level, "logprob diffs", diffs, "sync seconds", [r.get("time/sync") for r in rows])
+    assert diffs and max(diffs) < 0.05, diffs
+    assert (tmp_path / "run" / "hf_step_4" / "adapter_model.safetensors").exists()

@@ -311,3 +311,79 @@ def test_bad_lora_flags_are_one_line(tmp_path):
                           "down_proj gate_proj k_proj o_proj q_proj up_proj v_proj")
     assert_one_line_error(torchrun(["--lora-rank", "4", "--online", "--ref-update-every", "2"], tmp_path, nproc=1,
                                    script="dpo.py"), "--ref-update-every does not combine with --lora-rank")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's LoRA layers (--lora-sync adapter): the check's layout against a hand-built receiver that loads an adapter
+# as vLLM 0.26 does (vllm/lora/layers: cast to its dtype, B times the scaling, B's rows sliced in column-parallel
+# parts, A's columns in row-parallel ones, rank padding zero). The real layers are checked on a GPU (test_gpu.py).
+
+class FakeLoRALayer(torch.nn.Module):
+    """One of vLLM's LoRA wrappers, reduced to what the check reads, filled by `load` as vLLM's set_lora fills it."""
+
+    def __init__(self, parts: list[tuple[int, int]], in_size: int, tp_rank: int, tp_size: int, max_rank: int,
+                 output_ids=None, row_parallel: bool = False):
+        super().__init__()
+        self.base_layer = torch.nn.Linear(1, 1)
+        self.tp_rank, self.tp_size, self.input_size = tp_rank, tp_size, in_size
+        if not row_parallel:
+            self.output_slices, self.output_ids = tuple(size for size, _ in parts), tuple(output_ids)
+        self.lora_a_stacked = tuple(torch.zeros(1, 1, max_rank, in_size, dtype=torch.bfloat16) for _ in parts)
+        self.lora_b_stacked = tuple(torch.zeros(1, 1, size, max_rank, dtype=torch.bfloat16) for size, _ in parts)
+
+    def load(self, i: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        b.mul_(scaling)  # vLLM folds the scaling into B after the cast (LoRALayerWeights.optimize)
+        if hasattr(self, "output_ids"):
+            size = self.output_slices[i]
+            b = b[self.output_ids[i] * size:(self.output_ids[i] + 1) * size]
+        elif self.tp_size > 1:
+            a = a[:, self.tp_rank * self.input_size:(self.tp_rank + 1) * self.input_size]
+        self.lora_a_stacked[i][0, 0, :a.shape[0], :a.shape[1]].copy_(a)
+        self.lora_b_stacked[i][0, 0, :b.shape[0], :b.shape[1]].copy_(b)
+
+
+def test_the_adapter_check_reads_vllm_lora_layout():
+    """Qwen2 with 4 query heads, 1 kv head of 8 dims, hidden 32, MLP 64, on tensor-parallel rank 1 of 2 (the kv head
+    shared by both ranks): every adapter in the slot equals the trainer's slice; one wrong element, anywhere, is
+    found; and the base weights' names go under vLLM's wrappers."""
+    from sharding.vllm_lora import adapter_slices, lora_base_names, vllm_max_rank
+
+    r, s, t = 4, 2.0, 1
+    g = torch.Generator().manual_seed(0)
+    full = {name: (torch.randn(r, n_in, generator=g), torch.randn(n_out, r, generator=g))
+            for name, n_in, n_out in [("q_proj", 32, 32), ("k_proj", 32, 8), ("v_proj", 32, 8), ("o_proj", 32, 32),
+                                      ("gate_proj", 32, 64), ("up_proj", 32, 64), ("down_proj", 64, 32)]}
+    vllm = torch.nn.Module()
+    vllm.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    layer = torch.nn.Module()
+    vllm.add_module("layer", layer)
+    layer.qkv_proj = FakeLoRALayer([(16, "q"), (8, "k"), (8, "v")], 32, t, 2, 8, output_ids=(t, 0, 0))
+    layer.gate_up_proj = FakeLoRALayer([(32, "g"), (32, "u")], 32, t, 2, 8, output_ids=(t, t))
+    layer.o_proj = FakeLoRALayer([(32, "o")], 16, t, 2, 8, row_parallel=True)
+    layer.down_proj = FakeLoRALayer([(32, "d")], 32, t, 2, 8, row_parallel=True)
+    for name, (a, b) in full.items():
+        fused, index = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}.get(name, (name, 0))
+        getattr(layer, fused).load(index, a, b, s)
+
+    def mismatches() -> list[str]:
+        return [name for name, (a, b) in full.items()
+                if not all(torch.equal(got, want) for got, want in adapter_slices(vllm, 0, f"layer.{name}", a, b, s))]
+
+    assert mismatches() == []
+    for fused, i, which, where in [("qkv_proj", 1, "lora_b_stacked", (0, 0, 5, 1)),  # k's B (the shared kv head)
+                                   ("o_proj", 0, "lora_a_stacked", (0, 0, 2, 15)),  # o's A, this rank's columns
+                                   ("gate_up_proj", 0, "lora_a_stacked", (0, 0, 6, 3))]:  # padding past rank 4
+        buffer = getattr(getattr(layer, fused), which)[i]
+        kept = buffer[where].clone()
+        buffer[where] += 1
+        assert len(mismatches()) == 1, (fused, which)
+        buffer[where] = kept
+    rename = lora_base_names(vllm)
+    assert rename("layer.k_proj.weight") == "layer.k_proj.base_layer.weight"
+    assert rename("layer.down_proj.weight") == "layer.down_proj.base_layer.weight"
+    assert rename("layer.input_layernorm.weight") == "layer.input_layernorm.weight"
+    assert [vllm_max_rank(n) for n in (4, 8, 17, 512)] == [8, 8, 32, 512]
+    with pytest.raises(ValueError, match="--lora-rank 600: vLLM's LoRA layers take ranks up to 512"):
+        vllm_max_rank(600)
