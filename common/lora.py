@@ -61,6 +61,9 @@ def check_lora_args(args) -> None:
                                         != "vllm"):
         raise ValueError("--lora-sync adapter needs vLLM colocated with the trainer (split placement's rollout ranks "
                          "and the hf engine take merged weights)")
+    if args.lora_sync == "adapter" and getattr(args, "precision", "bf16") == "fp32":
+        raise ValueError("--lora-sync adapter: vLLM's LoRA kernels take bf16 or fp16 inputs only (--precision auto is "
+                         "fp32 for models under 0.3B parameters); add --precision bf16, or use --lora-sync merged")
     if args.lora_targets is not None and not args.lora_targets:
         raise ValueError("--lora-targets names no layer; leave it unset for every linear layer of attention and MLP")
 

@@ -299,6 +299,7 @@ def test_lora_runs_with_every_sync_checked(tmp_path, sync, level):
              "--group-size", "8", "--max-response-len", "16", "--eval-every", "2", "--eval-size", "16",
              "--logprob-diff-every", "1", "--output-dir", str(tmp_path / "run")]
     flags += [] if level is None else ["--rollout-sleep-level", str(level)]
+    flags += ["--precision", "bf16"]  # vLLM's LoRA kernels refuse fp32 (--precision auto's choice for this model)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                              os.path.join(root, "grpo.py"), *flags], cwd=tmp_path, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})

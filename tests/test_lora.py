@@ -94,6 +94,10 @@ def test_flop_weighted_parameters_by_hand():
     (dict(lora_rank=0, lora_targets=["q_proj"]), "--lora-targets needs --lora-rank"),
     (dict(lora_rank=0, export_merged=True), "--export-merged needs --lora-rank"),
     (dict(lora_rank=0, lora_sync="adapter"), "--lora-sync needs --lora-rank"),
+    (dict(lora_sync="adapter", rollout_engine="hf"), "--lora-sync adapter needs vLLM colocated with the trainer"),
+    (dict(lora_sync="adapter", rollout_engine="vllm", rollout_ranks=1), "--lora-sync adapter needs vLLM colocated"),
+    (dict(lora_sync="adapter", rollout_engine="vllm", rollout_ranks=0, precision="fp32"),
+     "--lora-sync adapter: vLLM's LoRA kernels take bf16 or fp16 inputs only"),
 ])
 def test_bad_lora_flags(flags, message):
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
