@@ -54,10 +54,11 @@ class Args(RunArgs, RolloutArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """pairs (or KTO's unpaired rows) as a hub dataset or a local .jsonl/.json/.parquet/.csv (also .jsonl.gz); unset:
-    the built-in task's pairs (its right answer over a wrong one). --online: prompts and answers, as grpo.py's"""
+    """pairs (or KTO's unpaired rows) as a hub dataset, a local .jsonl/.json/.parquet/.csv (also .jsonl.gz), or a local
+    directory of splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the
+    built-in task's pairs (its right answer over a wrong one). --online: prompts and answers, as grpo.py's"""
     dataset_config: str | None = None
-    """configuration name of a hub dataset (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
+    """configuration name of a hub dataset or of a snapshot of one (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
     prompt_key: str = "prompt"
     """column of the prompt; a file without it holds whole dialogues, whose common start is the prompt"""
     chosen_key: str = "chosen"
@@ -69,7 +70,8 @@ class Args(RunArgs, RolloutArgs):
     label_key: str = "label"
     """KTO's unpaired rows: the column saying whether the response is desirable (true) or not (false)"""
     eval_split: str = "test"
-    """hub dataset split to evaluate on; a local file holds out its last --eval-size pairs instead"""
+    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
+    or a dataset without this split, holds out its last --eval-size pairs instead (--online: random prompts)"""
     eval_size: int | None = None
     """held-out pairs or rows (with --online: prompts); unset: 256, or a tenth of a local file of fewer than 2,560"""
     chat_template: bool | None = None

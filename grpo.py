@@ -48,14 +48,16 @@ class Args(RunArgs, RolloutArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """HF hub dataset or a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz); unset: the built-in task"""
+    """HF hub dataset, a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz), or a local directory of
+    splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the built-in task"""
     dataset_config: str | None = None
-    """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
+    """configuration name of a hub dataset or of a snapshot of one (e.g. `main` for openai/gsm8k)"""
     prompt_key: str = "prompt"
     """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
     rendered by the chat template; the reward function gets its last user message)"""
     eval_split: str = "test"
-    """hub dataset split to evaluate on; a local file holds out --eval-size rows instead"""
+    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
+    or a dataset without this split, holds out --eval-size rows of the training data instead"""
     eval_size: int | None = None
     """number of held-out prompts evaluated; unset: 256, or a tenth of a local file of fewer than 2,560 rows"""
     chat_template: bool | None = None

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from common.preferences import load_pairs, tokenize_pairs
+import dpo
+from common.preferences import load_pairs, load_preference_rows, tokenize_pairs
 
 HH_RLHF = "/work/shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
 
@@ -135,6 +136,30 @@ def test_string_pairs_with_forced_template():
                        "rejected_ids": [C, EOS]}
     with pytest.raises(ValueError, match="use_chat_template=True but tokenizer .* has no chat_template"):
         tokenize_pairs([{"prompt": "a", "chosen": "b", "rejected": "c"}], make_tokenizer(), 100, use_chat_template=True)
+
+
+# ---- dpo.py's data: local directories ----
+
+
+def pairs_to(prompts: str) -> list[dict]:
+    """A pair per word-level prompt ("a", "e f", ...), its chosen response b, its rejected c."""
+    return [{"prompt": prompt, "chosen": "b", "rejected": "c"} for prompt in prompts.split(",")]
+
+
+def preference_rows(**flags):
+    """What dpo.py loads (its own Args), tokenized by the word-level tokenizer: prompt ids are [BOS, word ids]."""
+    args = dpo.Args(max_len=16, max_prompt_len=8, **flags)
+    return load_preference_rows(args, make_tokenizer(), [EOS])
+
+
+def prompt_ids(rows):
+    return [row["prompt_ids"] for row in rows]
+
+
+def test_directory_without_an_eval_split_holds_out_its_last_pairs(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", pairs_to("a,b,c,d,e"))
+    rows, eval_rows, _ = preference_rows(dataset=str(tmp_path), eval_size=2)
+    assert prompt_ids(rows) == [[BOS, A], [BOS, B], [BOS, C]] and prompt_ids(eval_rows) == [[BOS, D], [BOS, E]]
 
 
 # ---- bad input: one line naming what is wrong ----
