@@ -59,7 +59,16 @@ class Args(RunArgs, RolloutArgs):
     """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
     or a dataset without this split, holds out --eval-size rows of the training data instead"""
     eval_size: int | None = None
-    """number of held-out prompts evaluated; unset: 256, or a tenth of a local file of fewer than 2,560 rows"""
+    """number of held-out prompts evaluated (the first of the eval split or of --eval-dataset); unset: 256, or a
+    tenth of the training data when they are held out of it and it has fewer than 2,560 rows"""
+    eval_dataset: str | None = None
+    """held-out prompts from elsewhere (a benchmark's own test set): a local file, a local directory or a hub dataset,
+    as --dataset takes them; all of --dataset's "train" split then trains. Unset: --dataset's --eval-split, or a
+    hold-out"""
+    eval_dataset_config: str | None = None
+    """configuration name of --eval-dataset (a hub dataset, or a snapshot of one)"""
+    eval_dataset_split: str = "test"
+    """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
 
@@ -109,6 +118,7 @@ class Args(RunArgs, RolloutArgs):
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "answer_key", "eval_split", "eval_size", "seed",
+                   "eval_dataset", "eval_dataset_config", "eval_dataset_split",
                    "group_size", "prompts_per_step", "max_prompt_len", "chat_template", "system_prompt",
                    "prompt_template")
 

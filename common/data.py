@@ -4,9 +4,9 @@ RL post-training reads only prompts and the answers the reward checks against; t
 Rows come from the built-in synthetic task, a local .jsonl/.json/.parquet/.csv file (.jsonl.gz and the like too),
 a local directory (split files such as train.jsonl and test.jsonl, a hub snapshot's shards, or a `save_to_disk`
 directory: how data reaches compute nodes without internet), or a Hugging Face hub dataset. A file is one table; a
-directory or hub dataset has named splits. The held-out set is the dataset's eval split, or a seeded hold-out of the
-training rows. A prompt is a string or a conversation (a list of {"role", "content"} messages, as many hub datasets
-hold it), which the tokenizer's chat template renders.
+directory or hub dataset has named splits. The held-out set is the dataset's eval split, another dataset's (a
+benchmark's own test set), or a seeded hold-out of the training rows. A prompt is a string or a conversation (a list
+of {"role", "content"} messages, as many hub datasets hold it), which the tokenizer's chat template renders.
 `PromptSampler` gives every data-parallel rank its slice of the same seeded global batch, so a run on 1 rank
 and on N ranks sees the same prompts, and a resumed run continues with exactly the batches it would have seen.
 """
@@ -130,15 +130,25 @@ def read_split(dataset: str, config: str | None, split: str) -> tuple:
     return dataset_split(read_dataset(dataset, config), split, dataset)
 
 
-def train_eval_tables(dataset: str, config: str | None, eval_split: str,
+def train_eval_tables(dataset: str, config: str | None, eval_split: str, eval_dataset: str | None = None,
+                      eval_dataset_config: str | None = None, eval_dataset_split: str = "test",
                       train_split: str = "train") -> tuple[tuple, tuple | None]:
-    """The training table and the held-out one, each as (table, name): the dataset's eval_split, or None where there
-    is none (a file, or no such split): the caller then holds rows of the training table out."""
+    """The training table and the held-out one, each as (table, name). With eval_dataset, the held-out table is
+    its eval_dataset_split (a file: all of it) and training takes the whole train split; without, it is the
+    dataset's eval_split, or None where there is none (a file, or no such split): the caller then holds rows of the
+    training table out."""
     tables = read_dataset(dataset, config)
     train = dataset_split(tables, train_split, dataset)
+    if eval_dataset is not None:
+        return train, read_split(eval_dataset, eval_dataset_config, eval_dataset_split)
     if isinstance(tables, dict) and eval_split in tables:
         return train, (tables[eval_split], f"{dataset}[{eval_split}]")
     return train, None
+
+
+def check_eval_dataset(dataset: str | None, eval_dataset: str | None) -> None:
+    if dataset is None and eval_dataset is not None:
+        raise ValueError("--eval-dataset needs --dataset: the built-in task has its own held-out set")
 
 
 def check_table(table, columns: list[str], source: str) -> None:
@@ -222,15 +232,20 @@ def load_train_eval(
     eval_split: str = "test",
     eval_size: int | None = None,
     seed: int = 0,
+    eval_dataset: str | None = None,
+    eval_dataset_config: str | None = None,
+    eval_dataset_split: str = "test",
 ) -> tuple[list[dict], list[dict]]:
-    """(train_rows, eval_rows): the first eval_size (None: 256) rows of the dataset's eval split, or without one a
-    seeded hold-out of eval_size rows (None: 256, or a tenth of a training set of fewer than 2,560 rows), disjoint
-    from the rest, which train."""
+    """(train_rows, eval_rows): the first eval_size (None: 256) rows of the held-out table (train_eval_tables: an
+    --eval-dataset, or the dataset's eval split), or without one a seeded hold-out of eval_size rows (None: 256, or
+    a tenth of a training set of fewer than 2,560 rows), disjoint from the rest, which train."""
+    check_eval_dataset(dataset, eval_dataset)
     if dataset is None:
         from common.synthetic import make_synthetic_rows
 
         return make_synthetic_rows("train"), make_synthetic_rows("test")[:eval_size or DEFAULT_EVAL_SIZE]
-    train, held_out = train_eval_tables(dataset, config, eval_split, train_split)
+    train, held_out = train_eval_tables(dataset, config, eval_split, eval_dataset, eval_dataset_config,
+                                        eval_dataset_split, train_split)
     train_rows = _rows_from_table(*train, prompt_key, answer_key)
     if held_out is None:
         return _hold_out(train_rows, eval_size, seed, dataset)

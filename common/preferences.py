@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from common.data import DEFAULT_EVAL_SIZE, _first_line, check_table, read_split, train_eval_tables
+from common.data import DEFAULT_EVAL_SIZE, _first_line, check_eval_dataset, check_table, read_split, train_eval_tables
 from common.synthetic import make_synthetic_pairs
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
@@ -330,9 +330,10 @@ def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[di
     "chosen_ids", "rejected_ids"}, or with --loss-type kto unpaired rows {"prompt_ids", "completion_ids", "label",
     "kl_ids"} (from an unpaired file, or split from pairs). Held-out rows are pairs wherever their data has them
     (preference accuracy compares the two responses), else unpaired rows. They are the first --eval-size rows of
-    --dataset's --eval-split, or without one the last --eval-size rows of the training data; --dataset unset: the
-    built-in task's pairs."""
+    --eval-dataset (then all of --dataset's train split trains) or of --dataset's --eval-split, or without either
+    the last --eval-size rows of the training data; --dataset unset: the built-in task's pairs."""
     kto = args.loss_type == "kto"
+    check_eval_dataset(args.dataset, args.eval_dataset)
 
     def read(table, dataset):  # (rows, stats, unpaired?) of one table
         if args.completion_key in table.column_names and args.label_key in table.column_names:
@@ -347,7 +348,9 @@ def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[di
         train, stats, unpaired = make_synthetic_pairs("train"), {}, False
         held_out, eval_unpaired = make_synthetic_pairs(args.eval_split), False
     else:
-        train_table, eval_table = train_eval_tables(args.dataset, args.dataset_config, args.eval_split)
+        train_table, eval_table = train_eval_tables(args.dataset, args.dataset_config, args.eval_split,
+                                                    args.eval_dataset, args.eval_dataset_config,
+                                                    args.eval_dataset_split)
         train, stats, unpaired = read(*train_table)
         if eval_table is not None:
             held_out, _, eval_unpaired = read(*eval_table)

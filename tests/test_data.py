@@ -194,7 +194,7 @@ def test_builtin_task_uses_synthetic_splits(monkeypatch):
     assert len(train) == 10 and [row["prompt"] for row in evaluation] == ["test 0", "test 1", "test 2"]
 
 
-# ---- local directories ----
+# ---- local directories and a held-out set of one's own ----
 
 
 def numbered(prefix, n):
@@ -272,8 +272,9 @@ def test_missing_split_names_the_splits_found(tmp_path):
     bench = str(tmp_path / "bench")
     with pytest.raises(ValueError, match=r"bench: no split 'train'; existing splits: \['validation', 'test'\]"):
         load_train_eval(bench, "question", "answer")
+    train_file = write_rows(tmp_path / "train.json", numbered("t", 4))
     with pytest.raises(ValueError, match=r"bench: no split 'dev'; existing splits: \['validation', 'test'\]"):
-        load_rows(bench, "dev", "question", "answer")
+        load_train_eval(train_file, "question", "answer", eval_dataset=bench, eval_dataset_split="dev")
 
 
 def test_unreadable_directories_are_one_line(tmp_path):
@@ -283,6 +284,42 @@ def test_unreadable_directories_are_one_line(tmp_path):
     assert "\n" not in str(error.value)
     with pytest.raises(FileNotFoundError, match="dataset not found: /nonexistent/gsm8k"):
         load_train_eval("/nonexistent/gsm8k", "question", "answer")
+
+
+def test_eval_dataset_file_is_the_held_out_set(tmp_path):
+    """--eval-dataset FILE (GSM8K's own test.jsonl, say): its first --eval-size rows are held out, and none of the
+    training file's: all of it trains."""
+    train_file = write_rows(tmp_path / "train.jsonl", numbered("t", 10))
+    eval_file = write_rows(tmp_path / "bench.csv", numbered("e", 6))
+    train, evaluation = load_train_eval(train_file, "question", "answer", eval_size=4, eval_dataset=eval_file)
+    assert prompts(train) == [f"t{i}" for i in range(10)] and prompts(evaluation) == ["e0", "e1", "e2", "e3"]
+    _, evaluation = load_train_eval(train_file, "question", "answer", eval_dataset=eval_file)
+    assert prompts(evaluation) == [f"e{i}" for i in range(6)]  # fewer than 256: all of them
+
+
+def test_eval_dataset_directory_and_hub_id(tmp_path, monkeypatch):
+    """--eval-dataset DIR takes --eval-dataset-split of it, a hub id too (with --eval-dataset-config); the training
+    directory's own test split is then not used."""
+    write_rows(tmp_path / "train.jsonl", numbered("t", 5))
+    write_rows(tmp_path / "test.jsonl", numbered("own", 5))
+    (tmp_path / "bench").mkdir()
+    write_rows(tmp_path / "bench" / "validation.jsonl", numbered("v", 3))
+    train, evaluation = load_train_eval(str(tmp_path), "question", "answer", eval_dataset=str(tmp_path / "bench"),
+                                        eval_dataset_split="validation")
+    assert prompts(train) == [f"t{i}" for i in range(5)] and prompts(evaluation) == ["v0", "v1", "v2"]
+    real_load_dataset = datasets.load_dataset
+    hub = datasets.DatasetDict({"test": datasets.Dataset.from_list(numbered("hub", 4))})
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, *args, **kwargs: asked.append((path, *args)) or hub
+                        if path == "org/bench" else real_load_dataset(path, *args, **kwargs))
+    _, evaluation = load_train_eval(str(tmp_path), "question", "answer", eval_size=2, eval_dataset="org/bench",
+                                    eval_dataset_config="main")
+    assert prompts(evaluation) == ["hub0", "hub1"] and asked == [("org/bench", "main")]
+
+
+def test_eval_dataset_needs_a_dataset(tmp_path):
+    with pytest.raises(ValueError, match="--eval-dataset needs --dataset"):
+        load_train_eval(None, "prompt", "answer", eval_dataset=write_rows(tmp_path / "e.jsonl", ROWS))
 
 
 # ---- tokenization ----
