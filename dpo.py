@@ -55,10 +55,11 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """pairs (or KTO's unpaired rows) as a hub dataset or a local .jsonl/.json/.parquet/.csv (also .jsonl.gz); unset:
-    the built-in task's pairs (its right answer over a wrong one). --online: prompts and answers, as grpo.py's"""
+    """pairs (or KTO's unpaired rows) as a hub dataset, a local .jsonl/.json/.parquet/.csv (also .jsonl.gz), or a local
+    directory of splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the
+    built-in task's pairs (its right answer over a wrong one). --online: prompts and answers, as grpo.py's"""
     dataset_config: str | None = None
-    """configuration name of a hub dataset (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
+    """configuration name of a hub dataset or of a snapshot of one (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
     prompt_key: str = "prompt"
     """column of the prompt; a file without it holds whole dialogues, whose common start is the prompt"""
     chosen_key: str = "chosen"
@@ -70,9 +71,19 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
     label_key: str = "label"
     """KTO's unpaired rows: the column saying whether the response is desirable (true) or not (false)"""
     eval_split: str = "test"
-    """hub dataset split to evaluate on; a local file holds out its last --eval-size pairs instead"""
+    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
+    or a dataset without this split, holds out its last --eval-size pairs instead (--online: random prompts)"""
     eval_size: int | None = None
-    """held-out pairs or rows (with --online: prompts); unset: 256, or a tenth of a local file of fewer than 2,560"""
+    """held-out pairs or rows (with --online: prompts), the first of the eval split or of --eval-dataset; unset: 256,
+    or a tenth of the training data when they are held out of it and it has fewer than 2,560"""
+    eval_dataset: str | None = None
+    """held-out pairs or rows (--online: prompts) from elsewhere: a local file, a local directory or a hub dataset, as
+    --dataset takes them; all of --dataset's "train" split then trains. Unset: --dataset's --eval-split, or a
+    hold-out"""
+    eval_dataset_config: str | None = None
+    """configuration name of --eval-dataset (a hub dataset, or a snapshot of one)"""
+    eval_dataset_split: str = "test"
+    """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
     chat_template: bool | None = None
     """wrap the text in the tokenizer's chat template; unset: for conversations (lists of messages) only"""
     max_len: int | None = None
@@ -132,6 +143,7 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_key", "rejected_key", "completion_key",
+                   "eval_dataset", "eval_dataset_config", "eval_dataset_split",
                    "label_key", "answer_key", "eval_split", "eval_size", "seed", "online", "group_size",
                    "prompts_per_step", "pairs_per_step", "max_len", "max_prompt_len", "chat_template", "system_prompt",
                    "prompt_template", "lora_rank", "lora_alpha", "lora_targets")

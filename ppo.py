@@ -57,16 +57,27 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """HF hub dataset or a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz); unset: the built-in task"""
+    """HF hub dataset, a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz), or a local directory of
+    splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the built-in task"""
     dataset_config: str | None = None
-    """configuration name of a hub dataset (e.g. `main` for openai/gsm8k)"""
+    """configuration name of a hub dataset or of a snapshot of one (e.g. `main` for openai/gsm8k)"""
     prompt_key: str = "prompt"
     """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
     rendered by the chat template; the reward function gets its last user message)"""
     eval_split: str = "test"
-    """hub dataset split to evaluate on; a local file holds out --eval-size rows instead"""
+    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
+    or a dataset without this split, holds out --eval-size rows of the training data instead"""
     eval_size: int | None = None
-    """number of held-out prompts evaluated; unset: 256, or a tenth of a local file of fewer than 2,560 rows"""
+    """number of held-out prompts evaluated (the first of the eval split or of --eval-dataset); unset: 256, or a
+    tenth of the training data when they are held out of it and it has fewer than 2,560 rows"""
+    eval_dataset: str | None = None
+    """held-out prompts from elsewhere (a benchmark's own test set): a local file, a local directory or a hub dataset,
+    as --dataset takes them; all of --dataset's "train" split then trains. Unset: --dataset's --eval-split, or a
+    hold-out"""
+    eval_dataset_config: str | None = None
+    """configuration name of --eval-dataset (a hub dataset, or a snapshot of one)"""
+    eval_dataset_split: str = "test"
+    """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
     reward_model: str | None = None
     """an AutoModelForSequenceClassification checkpoint (one label) that scores each whole response, frozen"""
     missing_eos_penalty: float = 0.0
@@ -139,6 +150,7 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "critic_model", "reward_model", "dataset", "dataset_config", "prompt_key", "answer_key",
+                   "eval_dataset", "eval_dataset_config", "eval_dataset_split",
                    "eval_split", "eval_size", "seed", "group_size", "prompts_per_step", "max_prompt_len",
                    "chat_template", "system_prompt", "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
 

@@ -2,8 +2,11 @@
 
 RL post-training reads only prompts and the answers the reward checks against; the model writes the rest.
 Rows come from the built-in synthetic task, a local .jsonl/.json/.parquet/.csv file (.jsonl.gz and the like too),
-or a Hugging Face hub dataset. A prompt is a string or a conversation (a list of {"role", "content"} messages,
-as many hub datasets hold it), which the tokenizer's chat template renders.
+a local directory (split files such as train.jsonl and test.jsonl, a hub snapshot's shards, or a `save_to_disk`
+directory: how data reaches compute nodes without internet), or a Hugging Face hub dataset. A file is one table; a
+directory or hub dataset has named splits. The held-out set is the dataset's eval split, another dataset's (a
+benchmark's own test set), or a seeded hold-out of the training rows. A prompt is a string or a conversation (a list
+of {"role", "content"} messages, as many hub datasets hold it), which the tokenizer's chat template renders.
 `PromptSampler` gives every data-parallel rank its slice of the same seeded global batch, so a run on 1 rank
 and on N ranks sees the same prompts, and a resumed run continues with exactly the batches it would have seen.
 """
@@ -32,6 +35,10 @@ def _file_format(path: str) -> str | None:
     return LOCAL_FILE_LOADERS.get(extension)
 
 
+def _is_local_file(dataset: str) -> bool:
+    return _file_format(dataset) is not None
+
+
 def _read_local_file(path: str):
     import datasets  # imported here: the built-in task needs none of it
 
@@ -46,22 +53,102 @@ def _read_local_file(path: str):
         raise ValueError(f"could not read {path} (empty or malformed?): {_first_line(error)}") from error
 
 
-def _read_hub(dataset: str, config: str | None, split: str | None):
-    """Returns a Dataset for one split, or a DatasetDict of all splits when split is None."""
+def _read_hub(dataset: str, config: str | None):
+    """A DatasetDict of every split of a hub dataset."""
     import datasets
 
-    if os.path.exists(dataset) or dataset.startswith((".", "/", "~")):
-        raise ValueError(f"dataset {dataset!r}: a local file must end in one of "
-                         f"{', '.join(LOCAL_FILE_LOADERS)} (optionally compressed: {', '.join(COMPRESSIONS)}), "
-                         f"or name a hub dataset")
     try:
-        return datasets.load_dataset(dataset, config, split=split)
+        return datasets.load_dataset(dataset, config)
     except Exception as error:
         raise ValueError(
-            f"could not load hub dataset {dataset!r} (config={config!r}, split={split!r}): the hub could not be "
-            f"reached or the dataset/split does not exist ({_first_line(error)}); "
-            f"a local .jsonl/.json/.parquet/.csv path works too"
+            f"could not load hub dataset {dataset!r} (config={config!r}): the hub could not be reached or the "
+            f"dataset does not exist ({_first_line(error)}); a local .jsonl/.json/.parquet/.csv file or a directory "
+            f"of them works too"
         ) from error
+
+
+def _is_saved_to_disk(path: str) -> bool:
+    """save_to_disk writes dataset_dict.json (a DatasetDict) or state.json beside dataset_info.json (a Dataset)."""
+    return os.path.isfile(os.path.join(path, "dataset_dict.json")) or all(
+        os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_info.json"))
+
+
+def _read_local_dir(path: str, config: str | None):
+    """A directory as `datasets` keeps them: save_to_disk's (load_from_disk: a Dataset or a DatasetDict), or data
+    files that load_dataset sorts into splits by their names (train.jsonl, test.jsonl; a hub snapshot's
+    data/train-00000-of-00001.parquet; the configurations a snapshot's README.md lists, `config` picking one)."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(path) if _is_saved_to_disk(path) else datasets.load_dataset(path, config)
+    except Exception as error:
+        configs = _config_names(path) if config is None else []
+        if len(configs) > 1:  # a snapshot of a hub dataset with several configurations, such as openai/gsm8k's
+            raise ValueError(f"{path} holds several configurations, {configs}: name one (--dataset-config, or "
+                             f"--eval-dataset-config for --eval-dataset)") from error
+        raise ValueError(f"could not read the directory {path} as a dataset (split files such as train.jsonl and "
+                         f"test.jsonl, a hub snapshot, or a save_to_disk directory): {_first_line(error)}") from error
+
+
+def _config_names(path: str) -> list[str]:
+    import datasets
+
+    try:
+        return datasets.get_dataset_config_names(path)
+    except Exception:  # noqa: BLE001 - only a hint for the error being raised
+        return []
+
+
+def read_dataset(dataset: str, config: str | None = None):
+    """A local file, or a directory save_to_disk wrote one Dataset to: one table (a `datasets.Dataset`). A local
+    directory of splits or a hub dataset: {split: table} (a `datasets.DatasetDict`, a dict)."""
+    if _is_local_file(dataset):
+        return _read_local_file(dataset)
+    if os.path.isdir(dataset):
+        return _read_local_dir(dataset, config)
+    if os.path.exists(dataset):
+        raise ValueError(f"dataset {dataset!r}: a local file must end in one of "
+                         f"{', '.join(LOCAL_FILE_LOADERS)} (optionally compressed: {', '.join(COMPRESSIONS)}); "
+                         f"a directory of such files works too")
+    if dataset.startswith((".", "/", "~")):  # a path, never a hub id: say it is missing, not that the hub is
+        raise FileNotFoundError(f"dataset not found: {dataset} (no such file or directory)")
+    return _read_hub(dataset, config)
+
+
+def dataset_split(tables, split: str, dataset: str) -> tuple:
+    """(table, its name for messages) of one split of read_dataset's result. A single table (a file) has no split
+    names: it is every split. A missing split is an error naming those the dataset has."""
+    if not isinstance(tables, dict):
+        return tables, dataset
+    if split not in tables:
+        raise ValueError(f"{dataset}: no split {split!r}; existing splits: {list(tables)}")
+    return tables[split], f"{dataset}[{split}]"
+
+
+def read_split(dataset: str, config: str | None, split: str) -> tuple:
+    """(table, its name for messages) of one split of a local file, a local directory or a hub dataset."""
+    return dataset_split(read_dataset(dataset, config), split, dataset)
+
+
+def train_eval_tables(dataset: str, config: str | None, eval_split: str, eval_dataset: str | None = None,
+                      eval_dataset_config: str | None = None, eval_dataset_split: str = "test",
+                      train_split: str = "train") -> tuple[tuple, tuple | None]:
+    """The training table and the held-out one, each as (table, name). With eval_dataset, the held-out table is
+    its eval_dataset_split (a file: all of it) and training takes the whole train split; without, it is the
+    dataset's eval_split, or None where there is none (a file, or no such split): the caller then holds rows of the
+    training table out."""
+    tables = read_dataset(dataset, config)
+    train = dataset_split(tables, train_split, dataset)
+    if eval_dataset is not None:
+        return train, read_split(eval_dataset, eval_dataset_config, eval_dataset_split)
+    if isinstance(tables, dict) and eval_split in tables:
+        return train, (tables[eval_split], f"{dataset}[{eval_split}]")
+    return train, None
+
+
+def check_eval_dataset(dataset: str | None, eval_dataset: str | None) -> None:
+    if dataset is None and eval_dataset is not None:
+        raise ValueError("--eval-dataset needs --dataset: the built-in task has its own held-out set")
 
 
 def check_table(table, columns: list[str], source: str) -> None:
@@ -73,7 +160,7 @@ def check_table(table, columns: list[str], source: str) -> None:
         raise ValueError(f"{source}: dataset is empty (0 rows)")
 
 
-def _rows_from_table(table, prompt_key: str, answer_key: str, source: str) -> list[dict]:
+def _rows_from_table(table, source: str, prompt_key: str, answer_key: str) -> list[dict]:
     check_table(table, [prompt_key, answer_key], source)
     try:  # Arrow keeps the raw bytes: text is decoded only here
         prompts, answers = list(table[prompt_key]), list(table[answer_key])
@@ -111,23 +198,17 @@ def _check_messages(messages: list, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _is_local_file(dataset: str) -> bool:
-    return _file_format(dataset) is not None
-
-
 def load_rows(
     dataset: str | None, split: str, prompt_key: str, answer_key: str, config: str | None = None
 ) -> list[dict]:
-    """[{"prompt": str, "answer": str}, ...] from the built-in synthetic task (dataset None), a local file, or the hub.
-
-    A local file has a single split, so `split` is ignored for it (load_train_eval holds out eval rows instead).
-    """
+    """[{"prompt": str, "answer": str}, ...] of one split of the built-in synthetic task (dataset None), a local file,
+    a local directory or the hub. A local file has a single split, so `split` is ignored for it (load_train_eval
+    holds out eval rows instead)."""
     if dataset is None:
         from common.synthetic import make_synthetic_rows  # imported lazily: only the built-in task needs it
 
         return make_synthetic_rows(split)
-    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
-    return _rows_from_table(table, prompt_key, answer_key, source=dataset)
+    return _rows_from_table(*read_split(dataset, config, split), prompt_key, answer_key)
 
 
 def _hold_out(rows: list[dict], eval_size: int | None, seed: int, source: str) -> tuple[list[dict], list[dict]]:
@@ -151,24 +232,26 @@ def load_train_eval(
     eval_split: str = "test",
     eval_size: int | None = None,
     seed: int = 0,
+    eval_dataset: str | None = None,
+    eval_dataset_config: str | None = None,
+    eval_dataset_split: str = "test",
 ) -> tuple[list[dict], list[dict]]:
-    """(train_rows, eval_rows), disjoint, at most eval_size eval rows (None: 256, or a tenth of a local file or
-    split that has fewer than 2,560 rows). Without an eval split, a seeded hold-out."""
+    """(train_rows, eval_rows): the first eval_size (None: 256) rows of the held-out table (train_eval_tables: an
+    --eval-dataset, or the dataset's eval split), or without one a seeded hold-out of eval_size rows (None: 256, or
+    a tenth of a training set of fewer than 2,560 rows), disjoint from the rest, which train."""
+    check_eval_dataset(dataset, eval_dataset)
     if dataset is None:
         from common.synthetic import make_synthetic_rows
 
         return make_synthetic_rows("train"), make_synthetic_rows("test")[:eval_size or DEFAULT_EVAL_SIZE]
-    if _is_local_file(dataset):
-        return _hold_out(load_rows(dataset, train_split, prompt_key, answer_key), eval_size, seed, dataset)
-    splits = _read_hub(dataset, config, split=None)  # one download gives every split and tells which exist
-    if train_split not in splits:
-        raise ValueError(f"{dataset}: no split {train_split!r}; existing splits: {list(splits)}")
-    train_rows = _rows_from_table(splits[train_split], prompt_key, answer_key, f"{dataset}[{train_split}]")
-    if eval_split not in splits:
+    train, held_out = train_eval_tables(dataset, config, eval_split, eval_dataset, eval_dataset_config,
+                                        eval_dataset_split, train_split)
+    train_rows = _rows_from_table(*train, prompt_key, answer_key)
+    if held_out is None:
         return _hold_out(train_rows, eval_size, seed, dataset)
-    eval_table = splits[eval_split]
+    eval_table, name = held_out
     eval_table = eval_table.select(range(min(eval_size or DEFAULT_EVAL_SIZE, len(eval_table))))
-    return train_rows, _rows_from_table(eval_table, prompt_key, answer_key, f"{dataset}[{eval_split}]")
+    return train_rows, _rows_from_table(eval_table, name, prompt_key, answer_key)
 
 
 def tokenize_prompts(

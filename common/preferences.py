@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from common.data import DEFAULT_EVAL_SIZE, _first_line, _is_local_file, _read_hub, _read_local_file, check_table
+from common.data import DEFAULT_EVAL_SIZE, _first_line, check_eval_dataset, check_table, read_split, train_eval_tables
 from common.synthetic import make_synthetic_pairs
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
@@ -31,7 +31,8 @@ def load_pairs(
     split: str = "train",
     assistant_marker: str = ASSISTANT_MARKER,
 ) -> tuple[list[dict], dict]:
-    """(pairs, stats) from a local .jsonl/.json/.parquet/.csv file (also compressed: .jsonl.gz) or a hub dataset.
+    """(pairs, stats) from a local .jsonl/.json/.parquet/.csv file (also compressed: .jsonl.gz), one split of a local
+    directory or of a hub dataset.
 
     Each pair is {"prompt", "chosen", "rejected"}, all strings or all message lists. Without a `prompt_key` column
     (and with prompt_key left at "prompt"), the prompt is the common start of the chosen and rejected dialogues: for
@@ -42,7 +43,13 @@ def load_pairs(
     stats: {"rows": rows read, "identical": pairs skipped because chosen == rejected (nothing to prefer),
     "empty_response": dialogues skipped because a side's last reply is empty (HH-RLHF has a few)}.
     """
-    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
+    return pairs_from_table(*read_split(dataset, config, split), prompt_key, chosen_key, rejected_key, assistant_marker)
+
+
+def pairs_from_table(table, dataset: str, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                     rejected_key: str = "rejected",
+                     assistant_marker: str = ASSISTANT_MARKER) -> tuple[list[dict], dict]:
+    """load_pairs of a table already read (`dataset`: its name for messages)."""
     columns = table.column_names
     explicit = prompt_key in columns
     # A prompt column the user named must exist; only the default name may be absent (then the prompt is implicit).
@@ -271,8 +278,14 @@ def truncate_pair(prompt_ids: list[int], responses: tuple[list[int], ...], max_l
 def load_unpaired(dataset: str, prompt_key: str = "prompt", completion_key: str = "completion",
                   label_key: str = "label", config: str | None = None, split: str = "train") -> tuple[list[dict], dict]:
     """(rows, stats): KTO's unpaired rows {"prompt", "completion", "label"} (label: bool, true = desirable) from a
-    local file or a hub dataset with those columns; strings or conversations, as load_pairs reads them."""
-    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
+    local file or one split of a local directory or a hub dataset with those columns; strings or conversations, as
+    load_pairs reads them."""
+    return unpaired_from_table(*read_split(dataset, config, split), prompt_key, completion_key, label_key)
+
+
+def unpaired_from_table(table, dataset: str, prompt_key: str = "prompt", completion_key: str = "completion",
+                        label_key: str = "label") -> tuple[list[dict], dict]:
+    """load_unpaired of a table already read (`dataset`: its name for messages)."""
     check_table(table, [prompt_key, completion_key, label_key], dataset)
     rows, stats = [], {"rows": len(table), "empty_response": 0}
     for index, (prompt, completion, label) in enumerate(zip(table[prompt_key], table[completion_key],
@@ -284,11 +297,6 @@ def load_unpaired(dataset: str, prompt_key: str = "prompt", completion_key: str 
         pair = _same_form(_check_value(prompt, f"{where} column {prompt_key!r}"), completion, completion)
         rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": label})
     return rows, stats
-
-
-def has_columns(dataset: str, columns: list[str], config: str | None = None, split: str = "train") -> bool:
-    table = _read_local_file(dataset) if _is_local_file(dataset) else _read_hub(dataset, config, split)
-    return all(column in table.column_names for column in columns)
 
 
 def unpair(rows: list[dict], max_len: int | None = None, seed: int = 0) -> list[dict]:
@@ -320,37 +328,47 @@ def add_kl_partners(rows: list[dict], max_len: int, seed: int) -> list[dict]:
 def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[dict], dict]:
     """Offline data of dpo.py: (train rows, held-out rows, stats). Train rows are tokenized pairs {"prompt_ids",
     "chosen_ids", "rejected_ids"}, or with --loss-type kto unpaired rows {"prompt_ids", "completion_ids", "label",
-    "kl_ids"} (from an unpaired file, or split from pairs). Held-out rows are pairs wherever the data has them
-    (preference accuracy compares the two responses), else unpaired rows. They are a hub dataset's --eval-split, or
-    the last --eval-size rows of a local file; --dataset unset: the built-in task's pairs."""
+    "kl_ids"} (from an unpaired file, or split from pairs). Held-out rows are pairs wherever their data has them
+    (preference accuracy compares the two responses), else unpaired rows. They are the first --eval-size rows of
+    --eval-dataset (then all of --dataset's train split trains) or of --dataset's --eval-split, or without either
+    the last --eval-size rows of the training data; --dataset unset: the built-in task's pairs."""
     kto = args.loss_type == "kto"
-    keys = (args.prompt_key, args.completion_key, args.label_key)
+    check_eval_dataset(args.dataset, args.eval_dataset)
 
-    def read(split):  # (rows, stats, unpaired?) of one split
-        if args.dataset is None:
-            return make_synthetic_pairs(split), {}, False
-        if has_columns(args.dataset, list(keys[1:]), args.dataset_config, split):
+    def read(table, dataset):  # (rows, stats, unpaired?) of one table
+        if args.completion_key in table.column_names and args.label_key in table.column_names:
             if not kto:
-                raise ValueError(f"{args.dataset}: unpaired rows ({keys[1]!r}, {keys[2]!r}) train --loss-type kto; "
-                                 f"the other losses need pairs ({args.chosen_key!r}, {args.rejected_key!r})")
-            return *load_unpaired(args.dataset, *keys, args.dataset_config, split), True
-        return *load_pairs(args.dataset, args.prompt_key, args.chosen_key, args.rejected_key, args.dataset_config,
-                           split), False
+                raise ValueError(f"{dataset}: unpaired rows ({args.completion_key!r}, {args.label_key!r}) train "
+                                 f"--loss-type kto; the other losses need pairs ({args.chosen_key!r}, "
+                                 f"{args.rejected_key!r})")
+            return *unpaired_from_table(table, dataset, args.prompt_key, args.completion_key, args.label_key), True
+        return *pairs_from_table(table, dataset, args.prompt_key, args.chosen_key, args.rejected_key), False
 
-    if args.dataset is None or not _is_local_file(args.dataset) and args.eval_split is not None:
-        (train, stats, unpaired), (held_out, _, _) = read("train"), read(args.eval_split or "test")
-    else:  # a local file: its last --eval-size rows
-        rows, stats, unpaired = read("train")
-        size = args.eval_size or max(1, min(DEFAULT_EVAL_SIZE, len(rows) // 10))
-        if size >= len(rows):
-            raise ValueError(f"{args.dataset}: --eval-size {size} leaves none of its {len(rows)} rows for training")
-        train, held_out = rows[:-size], rows[-size:]
+    if args.dataset is None:
+        train, stats, unpaired = make_synthetic_pairs("train"), {}, False
+        held_out, eval_unpaired = make_synthetic_pairs(args.eval_split), False
+    else:
+        train_table, eval_table = train_eval_tables(args.dataset, args.dataset_config, args.eval_split,
+                                                    args.eval_dataset, args.eval_dataset_config,
+                                                    args.eval_dataset_split)
+        train, stats, unpaired = read(*train_table)
+        if eval_table is not None:
+            held_out, _, eval_unpaired = read(*eval_table)
+        else:  # a local file, or no eval split: its last --eval-size rows
+            size = args.eval_size or max(1, min(DEFAULT_EVAL_SIZE, len(train) // 10))
+            if size >= len(train):
+                raise ValueError(f"{args.dataset}: --eval-size {size} leaves none of its {len(train)} rows for "
+                                 f"training")
+            train, held_out, eval_unpaired = train[:-size], train[-size:], unpaired
     held_out = held_out[:args.eval_size or DEFAULT_EVAL_SIZE]
-    tokenize = lambda rows: tokenize_pairs(rows, tokenizer, args.max_len, args.chat_template, args.max_prompt_len,
-                                           stop_ids, ("completion",) if unpaired else ("chosen", "rejected"))
-    (rows, token_stats), (eval_rows, _) = tokenize(train), tokenize(held_out)
+
+    def tokenize(rows, unpaired):
+        return tokenize_pairs(rows, tokenizer, args.max_len, args.chat_template, args.max_prompt_len, stop_ids,
+                              ("completion",) if unpaired else ("chosen", "rejected"))
+
+    (rows, token_stats), (eval_rows, _) = tokenize(train, unpaired), tokenize(held_out, eval_unpaired)
     if kto:
         rows = add_kl_partners(rows, args.max_len, args.seed) if unpaired else unpair(rows, args.max_len, args.seed)
-        if unpaired:
-            eval_rows = add_kl_partners(eval_rows, args.max_len, args.seed)
+    if eval_unpaired:
+        eval_rows = add_kl_partners(eval_rows, args.max_len, args.seed)
     return rows, eval_rows, {**stats, **token_stats}

@@ -177,7 +177,10 @@ def load_prompts(args, tokenizer) -> tuple[list[dict], list[dict], list[str]]:
     reward checks, tokenized as the model will see them; a reward that cannot score the data's own answers stops
     the run here, in one line."""
     train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
-                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed)
+                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed,
+                                            eval_dataset=args.eval_dataset,
+                                            eval_dataset_config=args.eval_dataset_config,
+                                            eval_dataset_split=args.eval_dataset_split)
     check_reward_fits(args, eval_rows)
     formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, *formats)

@@ -185,7 +185,8 @@ def kto_rows(args, tokenizer) -> tuple[list[dict], list[dict], int]:
     # checks them against dpo.Args).
     ours = SimpleNamespace(loss_type="kto", dataset=args.data, dataset_config=None, prompt_key="prompt",
                            chosen_key="chosen", rejected_key="rejected", completion_key="completion", label_key="label",
-                           eval_split="test", eval_size=args.eval_size, max_len=args.max_len,
+                           eval_split="test", eval_size=args.eval_size, eval_dataset=None, eval_dataset_config=None,
+                           eval_dataset_split="test", max_len=args.max_len,
                            max_prompt_len=args.max_len // 2, chat_template=None, seed=args.seed)
     stop_ids = stop_token_ids(args.model, tokenizer)
     rows, held_out, _ = load_preference_rows(ours, tokenizer, stop_ids)

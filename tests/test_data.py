@@ -194,6 +194,134 @@ def test_builtin_task_uses_synthetic_splits(monkeypatch):
     assert len(train) == 10 and [row["prompt"] for row in evaluation] == ["test 0", "test 1", "test 2"]
 
 
+# ---- local directories and a held-out set of one's own ----
+
+
+def numbered(prefix, n):
+    return [{"question": f"{prefix}{i}", "answer": i} for i in range(n)]
+
+
+def prompts(rows):
+    return [row["prompt"] for row in rows]
+
+
+def test_directory_of_split_files_evaluates_on_its_test_split(tmp_path):
+    """train.jsonl and test.jsonl, as a paper's data release or a benchmark keeps them: all of train trains, the
+    first --eval-size rows of test are held out (256 by default, here all 4)."""
+    write_rows(tmp_path / "train.jsonl", numbered("t", 10))
+    write_rows(tmp_path / "test.jsonl", numbered("e", 4))
+    train, evaluation = load_train_eval(str(tmp_path), "question", "answer", eval_size=3)
+    assert prompts(train) == [f"t{i}" for i in range(10)] and prompts(evaluation) == ["e0", "e1", "e2"]
+    assert prompts(load_train_eval(str(tmp_path), "question", "answer")[1]) == ["e0", "e1", "e2", "e3"]
+    assert prompts(load_rows(str(tmp_path), "test", "question", "answer")) == ["e0", "e1", "e2", "e3"]
+
+
+def test_hub_snapshot_directory_reads_its_shards(tmp_path):
+    """A hub dataset's snapshot as downloaded for a cluster: parquet shards under data/, named by split."""
+    (tmp_path / "data").mkdir()
+    write_rows(tmp_path / "data" / "train-00000-of-00002.parquet", numbered("t", 3))
+    write_rows(tmp_path / "data" / "train-00001-of-00002.parquet", numbered("u", 2))
+    write_rows(tmp_path / "data" / "validation-00000-of-00001.parquet", numbered("v", 2))
+    train, evaluation = load_train_eval(str(tmp_path), "question", "answer", eval_split="validation")
+    assert sorted(prompts(train)) == ["t0", "t1", "t2", "u0", "u1"] and prompts(evaluation) == ["v0", "v1"]
+
+
+def test_snapshot_of_several_configurations_needs_one_named(tmp_path):
+    """A snapshot whose README.md lists configurations (openai/gsm8k's main and socratic): --dataset-config picks
+    one; without it, one line names them."""
+    for config in ("main", "socratic"):
+        (tmp_path / config).mkdir()
+        write_rows(tmp_path / config / "train-00000-of-00001.parquet", numbered(f"{config}-t", 3))
+        write_rows(tmp_path / config / "test-00000-of-00001.parquet", numbered(f"{config}-e", 2))
+    (tmp_path / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+        f"  - split: test\n    path: {c}/test-*\n" for c in ("main", "socratic")) + "---\n")
+    train, evaluation = load_train_eval(str(tmp_path), "question", "answer", config="socratic")
+    assert prompts(train) == ["socratic-t0", "socratic-t1", "socratic-t2"]
+    assert prompts(evaluation) == ["socratic-e0", "socratic-e1"]
+    with pytest.raises(ValueError, match=r"holds several configurations, \['main', 'socratic'\]: name one"):
+        load_train_eval(str(tmp_path), "question", "answer")
+
+
+def test_save_to_disk_directories(tmp_path):
+    """save_to_disk's directories go through load_from_disk: a DatasetDict has splits; a Dataset is one table, held
+    out from exactly as the same rows in a file are."""
+    splits = {"train": numbered("t", 6), "validation": numbered("v", 3)}
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(
+        str(tmp_path / "dict"))
+    train, evaluation = load_train_eval(str(tmp_path / "dict"), "question", "answer", eval_split="validation",
+                                        eval_size=2)
+    assert prompts(train) == [f"t{i}" for i in range(6)] and prompts(evaluation) == ["v0", "v1"]
+    datasets.Dataset.from_list(numbered("t", 20)).save_to_disk(str(tmp_path / "one"))
+    path = write_rows(tmp_path / "same.jsonl", numbered("t", 20))
+    held_out = load_train_eval(str(tmp_path / "one"), "question", "answer", eval_size=5, seed=3)
+    assert held_out == load_train_eval(path, "question", "answer", eval_size=5, seed=3)
+    assert len(held_out[1]) == 5
+
+
+def test_directory_without_the_eval_split_holds_out_as_a_file_does(tmp_path):
+    write_rows(tmp_path / "train.jsonl", numbered("t", 20))
+    assert (load_train_eval(str(tmp_path), "question", "answer", eval_size=5, seed=3)
+            == load_train_eval(str(tmp_path / "train.jsonl"), "question", "answer", eval_size=5, seed=3))
+
+
+def test_missing_split_names_the_splits_found(tmp_path):
+    (tmp_path / "bench").mkdir()
+    write_rows(tmp_path / "bench" / "test.jsonl", numbered("e", 2))
+    write_rows(tmp_path / "bench" / "validation.jsonl", numbered("v", 2))
+    bench = str(tmp_path / "bench")
+    with pytest.raises(ValueError, match=r"bench: no split 'train'; existing splits: \['validation', 'test'\]"):
+        load_train_eval(bench, "question", "answer")
+    train_file = write_rows(tmp_path / "train.json", numbered("t", 4))
+    with pytest.raises(ValueError, match=r"bench: no split 'dev'; existing splits: \['validation', 'test'\]"):
+        load_train_eval(train_file, "question", "answer", eval_dataset=bench, eval_dataset_split="dev")
+
+
+def test_unreadable_directories_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="could not read the directory .*empty as a dataset") as error:
+        load_train_eval(str(tmp_path / "empty"), "question", "answer")
+    assert "\n" not in str(error.value)
+    with pytest.raises(FileNotFoundError, match="dataset not found: /nonexistent/gsm8k"):
+        load_train_eval("/nonexistent/gsm8k", "question", "answer")
+
+
+def test_eval_dataset_file_is_the_held_out_set(tmp_path):
+    """--eval-dataset FILE (GSM8K's own test.jsonl, say): its first --eval-size rows are held out, and none of the
+    training file's: all of it trains."""
+    train_file = write_rows(tmp_path / "train.jsonl", numbered("t", 10))
+    eval_file = write_rows(tmp_path / "bench.csv", numbered("e", 6))
+    train, evaluation = load_train_eval(train_file, "question", "answer", eval_size=4, eval_dataset=eval_file)
+    assert prompts(train) == [f"t{i}" for i in range(10)] and prompts(evaluation) == ["e0", "e1", "e2", "e3"]
+    _, evaluation = load_train_eval(train_file, "question", "answer", eval_dataset=eval_file)
+    assert prompts(evaluation) == [f"e{i}" for i in range(6)]  # fewer than 256: all of them
+
+
+def test_eval_dataset_directory_and_hub_id(tmp_path, monkeypatch):
+    """--eval-dataset DIR takes --eval-dataset-split of it, a hub id too (with --eval-dataset-config); the training
+    directory's own test split is then not used."""
+    write_rows(tmp_path / "train.jsonl", numbered("t", 5))
+    write_rows(tmp_path / "test.jsonl", numbered("own", 5))
+    (tmp_path / "bench").mkdir()
+    write_rows(tmp_path / "bench" / "validation.jsonl", numbered("v", 3))
+    train, evaluation = load_train_eval(str(tmp_path), "question", "answer", eval_dataset=str(tmp_path / "bench"),
+                                        eval_dataset_split="validation")
+    assert prompts(train) == [f"t{i}" for i in range(5)] and prompts(evaluation) == ["v0", "v1", "v2"]
+    real_load_dataset = datasets.load_dataset
+    hub = datasets.DatasetDict({"test": datasets.Dataset.from_list(numbered("hub", 4))})
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, *args, **kwargs: asked.append((path, *args)) or hub
+                        if path == "org/bench" else real_load_dataset(path, *args, **kwargs))
+    _, evaluation = load_train_eval(str(tmp_path), "question", "answer", eval_size=2, eval_dataset="org/bench",
+                                    eval_dataset_config="main")
+    assert prompts(evaluation) == ["hub0", "hub1"] and asked == [("org/bench", "main")]
+
+
+def test_eval_dataset_needs_a_dataset(tmp_path):
+    with pytest.raises(ValueError, match="--eval-dataset needs --dataset"):
+        load_train_eval(None, "prompt", "answer", eval_dataset=write_rows(tmp_path / "e.jsonl", ROWS))
+
+
 # ---- tokenization ----
 
 

@@ -119,6 +119,25 @@ def test_whole_dialogue_pairs_train_and_bad_columns_are_one_line(tmp_path):
     assert_one_line_error(result, "missing column(s) ['better']; existing columns: ['chosen', 'rejected']")
 
 
+def test_pairs_from_a_hub_snapshot_directory_with_an_eval_dataset(tmp_path):
+    """A hub dataset's snapshot (parquet shards under data/, a train and a test split) with --eval-dataset FILE:
+    every train pair trains, the file's first --eval-size pairs are held out, not the snapshot's test split."""
+    import datasets
+    import json
+    (tmp_path / "snapshot" / "data").mkdir(parents=True)
+    for shard in range(2):
+        datasets.Dataset.from_list([HH_LINES[i % 2] for i in range(12)]).to_parquet(
+            str(tmp_path / "snapshot" / "data" / f"train-0000{shard}-of-00002.parquet"))
+    datasets.Dataset.from_list(HH_LINES * 3).to_parquet(
+        str(tmp_path / "snapshot" / "data" / "test-00000-of-00001.parquet"))
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(x) + "\n" for x in HH_LINES * 5))
+    result = dpo(["--dataset", "snapshot", "--eval-dataset", "bench.jsonl", "--eval-size", "8", "--max-len", "64",
+                  "--pairs-per-step", "8", "--steps", "2", "--eval-every", "0", "--output-dir", str(tmp_path / "run")],
+                 tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "24 train / 8 eval pairs" in result.stdout + result.stderr  # the snapshot's test split has 6
+
+
 def test_kto_trains_on_an_unpaired_file_and_bad_labels_are_one_line(tmp_path):
     """KTO's own format: rows of prompt, completion and a true/false label (here under other column names), with
     more undesirable rows than desirable ones; held-out rows are unpaired too, scored by label accuracy."""

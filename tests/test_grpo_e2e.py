@@ -111,6 +111,29 @@ def test_custom_csv_dataset_and_reward(tmp_path):
     assert "33 train / 3 eval prompts" in result.stdout + result.stderr
 
 
+def test_directory_dataset_with_an_eval_dataset_of_ones_own(tmp_path):
+    """--dataset DIR (train.jsonl and test.jsonl) with --eval-dataset FILE: all of train trains, the file's first
+    --eval-size prompts are held out (the directory's test split is not used); the flag is fixed on resume."""
+    def write(path, pairs):
+        path.write_text("".join(json.dumps({"question": f"{a} + {b} =", "solution": str(a + b)}) + "\n"
+                                for a, b in pairs))
+
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "train.jsonl", [(a, b) for a in range(6) for b in range(5)])
+    write(tmp_path / "data" / "test.jsonl", [(a, 5) for a in range(6)])
+    write(tmp_path / "bench.jsonl", [(a, 9) for a in range(8)])
+    (tmp_path / "reward.py").write_text(
+        "def reward(prompt, completion, answer):\n    return float(completion.strip().startswith(answer))\n")
+    flags = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--max-response-len", "4",
+             "--dataset", "data", "--prompt-key", "question", "--answer-key", "solution", "--eval-size", "7",
+             "--reward-fn", "reward.py:reward", "--output-dir", str(tmp_path / "run")]
+    result = torchrun([*flags, "--eval-dataset", "bench.jsonl"], tmp_path, nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "30 train / 7 eval prompts" in result.stdout + result.stderr  # the directory's test split has 6
+    assert_one_line_error(torchrun([*flags, "--eval-dataset", "data"], tmp_path, nproc=1),
+                          "--eval-dataset data (saved: bench.jsonl) differs from the run saved in")
+
+
 def test_default_run_learns_the_builtin_task(builtin_sync_run):
     """The README's first command: from random weights, held-out greedy accuracy from below 0.2 to at least 0.8."""
     result, _ = builtin_sync_run

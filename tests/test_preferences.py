@@ -4,11 +4,13 @@ one-line errors for bad input, and tokenization whose lengths can be counted wor
 import gzip
 import json
 
+import datasets
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from common.preferences import load_pairs, tokenize_pairs
+import dpo
+from common.preferences import load_pairs, load_preference_rows, tokenize_pairs
 
 HH_RLHF = "/work/shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
 
@@ -135,6 +137,73 @@ def test_string_pairs_with_forced_template():
                        "rejected_ids": [C, EOS]}
     with pytest.raises(ValueError, match="use_chat_template=True but tokenizer .* has no chat_template"):
         tokenize_pairs([{"prompt": "a", "chosen": "b", "rejected": "c"}], make_tokenizer(), 100, use_chat_template=True)
+
+
+# ---- dpo.py's data: local directories and a held-out set of one's own ----
+
+
+def pairs_to(prompts: str) -> list[dict]:
+    """A pair per word-level prompt ("a", "e f", ...), its chosen response b, its rejected c."""
+    return [{"prompt": prompt, "chosen": "b", "rejected": "c"} for prompt in prompts.split(",")]
+
+
+def preference_rows(**flags):
+    """What dpo.py loads (its own Args), tokenized by the word-level tokenizer: prompt ids are [BOS, word ids]."""
+    args = dpo.Args(max_len=16, max_prompt_len=8, **flags)
+    return load_preference_rows(args, make_tokenizer(), [EOS])
+
+
+def prompt_ids(rows):
+    return [row["prompt_ids"] for row in rows]
+
+
+def test_pairs_from_a_directory_and_from_an_eval_dataset(tmp_path):
+    """A directory of train.jsonl and test.jsonl: all of train trains, test's first --eval-size pairs are held out;
+    with --eval-dataset FILE, that file's first ones, and the directory's test split is not used."""
+    (tmp_path / "pairs").mkdir()
+    write_jsonl(tmp_path / "pairs" / "train.jsonl", pairs_to("a,b,c,d"))
+    write_jsonl(tmp_path / "pairs" / "test.jsonl", pairs_to("e,f,e e"))
+    rows, eval_rows, _ = preference_rows(dataset=str(tmp_path / "pairs"), eval_size=2)
+    assert prompt_ids(rows) == [[BOS, A], [BOS, B], [BOS, C], [BOS, D]]
+    assert prompt_ids(eval_rows) == [[BOS, E], [BOS, F]] and eval_rows[0]["chosen_ids"] == [B, EOS]
+    eval_file = write_jsonl(tmp_path / "bench.jsonl", pairs_to("f e,f f,e f"))
+    rows, eval_rows, _ = preference_rows(dataset=str(tmp_path / "pairs"), eval_dataset=eval_file, eval_size=2)
+    assert prompt_ids(rows) == [[BOS, A], [BOS, B], [BOS, C], [BOS, D]]
+    assert prompt_ids(eval_rows) == [[BOS, F, E], [BOS, F, F]]
+    with pytest.raises(ValueError, match=r"pairs: no split 'validation'; existing splits: \['train', 'test'\]"):
+        preference_rows(dataset=eval_file, eval_dataset=str(tmp_path / "pairs"), eval_dataset_split="validation")
+
+
+def test_directory_without_an_eval_split_holds_out_its_last_pairs(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", pairs_to("a,b,c,d,e"))
+    rows, eval_rows, _ = preference_rows(dataset=str(tmp_path), eval_size=2)
+    assert prompt_ids(rows) == [[BOS, A], [BOS, B], [BOS, C]] and prompt_ids(eval_rows) == [[BOS, D], [BOS, E]]
+
+
+def test_kto_rows_from_a_save_to_disk_directory(tmp_path):
+    """KTO's unpaired rows saved with save_to_disk, pairs in its test split: training rows are unpaired, with KL
+    partners; held-out rows stay pairs (preference accuracy). An unpaired --eval-dataset gives unpaired held-out rows,
+    which only KTO takes."""
+    unpaired = [{"prompt": p, "completion": c, "label": c == "b"} for p in "abc" for c in "bc"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(unpaired),
+                          "test": datasets.Dataset.from_list(pairs_to("d,e"))}).save_to_disk(str(tmp_path / "kto"))
+    rows, eval_rows, _ = preference_rows(dataset=str(tmp_path / "kto"), loss_type="kto")
+    assert [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in rows] == [
+        ([BOS, p], [c, EOS], c == B) for p in (A, B, C) for c in (B, C)]
+    assert all("kl_ids" in r for r in rows)
+    assert prompt_ids(eval_rows) == [[BOS, D], [BOS, E]] and "label" not in eval_rows[0]
+    eval_file = write_jsonl(tmp_path / "unpaired.jsonl", [{"prompt": "f", "completion": "e", "label": False}] * 2)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", pairs_to("a,b"))
+    _, eval_rows, _ = preference_rows(dataset=pairs, eval_dataset=eval_file, loss_type="kto")
+    assert [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in eval_rows] == [([BOS, F], [E, EOS], False)] * 2
+    assert all("kl_ids" in r for r in eval_rows)  # the loss's reference point needs them to evaluate
+    with pytest.raises(ValueError, match="unpaired.jsonl: unpaired rows .* train --loss-type kto"):
+        preference_rows(dataset=pairs, eval_dataset=eval_file)
+
+
+def test_eval_dataset_without_dataset_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--eval-dataset needs --dataset"):
+        preference_rows(eval_dataset=write_jsonl(tmp_path / "bench.jsonl", pairs_to("a")))
 
 
 # ---- bad input: one line naming what is wrong ----

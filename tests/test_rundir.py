@@ -1,6 +1,8 @@
 """Run directories (common/rundir.py): names from the defining flags, one live run per directory, refusing to mix
 runs, and the flags a resume may and may not change."""
 
+import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -44,6 +46,17 @@ def test_changed_flags_are_listed_or_refused():
     assert lines == ["resuming with changed flags, applied: --lr 0.0005 -> 0.001, --steps 200 -> 400"]
     with pytest.raises(ValueError, match=r"--group-size 8 \(saved: 16\) differs from the run saved in state_x"):
         compare_flags(saved, {**saved, "group_size": 8}, FIXED, "state_x")
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "dpo"])
+def test_the_data_flags_are_fixed_on_resume(script):
+    """A saved data position counts rows of the training set, which the data flags decide (with --eval-dataset, none
+    of --dataset's rows are held out): each script refuses to resume with any of them changed."""
+    module = importlib.import_module(script)
+    data_flags = {"dataset", "dataset_config", "eval_split", "eval_size", "eval_dataset", "eval_dataset_config",
+                  "eval_dataset_split"}
+    assert data_flags <= {field.name for field in dataclasses.fields(module.Args)}
+    assert data_flags <= set(module.FIXED_ON_RESUME)
 
 
 def fake_state(path, step: int, args: dict):
