@@ -6,8 +6,9 @@ B [out, r] zero at the start, so the first forward pass is exactly the base mode
 weights are frozen and kept in the compute dtype (no fp32 master copy, no gradients, no optimizer moments), the
 training state holds the adapters alone, and the reference policy (GRPO's and PPO's KL, DPO's log-probs when not
 cached) is the same model with its adapters switched off (`adapters_off`): no second copy of the model. How the
-rollout engine gets the adapters (merged into the base weights, or as adapters) is in sharding/lora.py and
-common/vllm_engine.py; exports are a PEFT adapter directory (sharding/checkpoint.py).
+rollout engine gets the adapters (merged into the base weights, the default, or as adapters through vLLM's LoRA
+layers: --lora-sync) is in sharding/lora.py, sharding/vllm_lora.py and common/vllm_engine.py; exports are a PEFT
+adapter directory (sharding/checkpoint.py).
 
 The learning rate: LoRA wants about ten times full fine-tuning's, and with alpha fixed (not scaled with the rank)
 that does not move much with the rank (Schulman and Thinking Machines, "LoRA Without Regret", 2025): an unset --lr
@@ -29,8 +30,11 @@ class LoraArgs:
     lora_rank: int = 0
     """LoRA: train rank-R adapters on the --lora-targets layers of a frozen base model (0: full fine-tuning). The
     base weights take no gradients and no optimizer moments, the reference policy is the base itself (adapters off),
-    and states and exports hold the adapters alone. Learning rate: about 10x full fine-tuning's (an unset --lr is
-    that), nearly independent of the rank at a fixed --lora-alpha; on SmolLM2-135M (benchmarks/README.md, LoRA)"""
+    and states and exports hold the adapters alone (a 7B model's GRPO fits one 80 GB GPU at rank 32). Learning rate:
+    about 10x full fine-tuning's (an unset --lr is that), nearly independent of the rank at a fixed --lora-alpha.
+    Measured on SmolLM2-135M at rank 32 (benchmarks/README.md, LoRA): DPO on HH-RLHF at 10x (5e-5) ended at 0.628
+    held-out preference accuracy against full fine-tuning's 0.593; GRPO on addition at 30x (3e-4) led full
+    fine-tuning at steps 10 and 20 and trailed it at step 30 (0.789 against 0.875, one seed)"""
     lora_alpha: float = 32.0
     """LoRA's scale: the adapters' output is multiplied by alpha / rank (fixed alpha: the learning rate carries over
     between ranks)"""
@@ -39,8 +43,9 @@ class LoraArgs:
     attention and MLP"""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """how colocated vLLM gets the adapters before each rollout: merged into the base weights and streamed like full
-    fine-tuning's weights, or as adapters alone (vLLM's LoRA support: the base loaded once, a few MB a step, but
-    its LoRA kernels slow decoding); benchmarks/README.md, LoRA, measured both at the 7B shape"""
+    fine-tuning's weights, or as adapters alone through vLLM's LoRA layers (the base loaded once, then 161 MB a
+    step at 7B and rank 32; bf16 only). At the 7B shape on one H100 merged synced in 0.13 s against 0.29 s and
+    decoded 10.5k tokens/s against 3.9k (eager vLLM; benchmarks/README.md, LoRA): merged is the default"""
     export_merged: bool = False
     """with LoRA: each HF export also holds the adapters merged into the base, a full model, in hf_step_N/merged"""
 
