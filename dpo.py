@@ -42,6 +42,7 @@ from common.optim import clip_and_step, make_optimizer
 from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
                                       example_logps, load_examples, response_lengths)
 from common.preferences import unpair
+from common.sequence_parallel import data_parallel
 from common.resume import Checkpoints
 from common.rollouts import RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rundir import RunArgs, open_run_dir
@@ -389,7 +390,7 @@ def step_metrics(sums: dict, args: Args, world: int) -> dict[str, float]:
     """What is logged of an update (sums over all ranks)."""
     n = max(sums["examples"], 1)
     mean = lambda key, count=n: sums.get(key, 0.0) / max(count, 1)
-    metrics = {"loss/preference": mean("loss"), "loss/sft": mean("sft"), "pairs/count": sums["examples"],
+    metrics = {"loss/preference": mean("loss"), "loss/sft": mean("sft"), "pairs/count": sums["count"],
                "rewards/accuracy": mean("correct"), "policy/grad_norm": sums["grad_norm"] / world,
                "update/skipped": sums["skipped"] / world}
     if args.loss_type == "kto":
@@ -407,7 +408,8 @@ def evaluate(policy, reference, rows: list[dict] | None, args: Args, rank: int, 
     KTO's unpaired rows, the completion's reward on the side of 0 its label says."""
     if not rows:
         return {}
-    mine, unpaired = rows[rank::world], "label" in rows[0]
+    group, groups = data_parallel(rank, world)  # a sequence-parallel group's ranks share their rows
+    mine, unpaired = rows[group::groups], "label" in rows[0]
     reference.add_to(mine)
     sums = dict.fromkeys(["loss", "correct", "margin"], 0.0) | {"rows": len(mine)}
     for mb in plan_equal_micro_batches([example_length(r) for r in mine], args.max_tokens_per_micro_batch, device):
@@ -445,7 +447,8 @@ def check_start(sums: dict, args: Args) -> None:
 
 def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
-    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off).
+    placement, device = init_placement(args.rollout_ranks, args.sequence_parallel)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     rank, world = placement.rank, placement.world
@@ -505,6 +508,7 @@ def main(args: Args):
         step_start = timer.start_step(step)
         # 1. Examples: the step's pairs (KTO: labelled rows), from the dataset or sampled, scored and paired online.
         examples, metrics = source.next_batch(step)
+        counted = {"tokens": sum(example_length(e) for e in examples), "count": len(examples)}  # each example once
         examples, _ = share_samples_evenly(examples, [example_length(e) for e in examples], world, rank)
 
         # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
@@ -517,7 +521,7 @@ def main(args: Args):
             stats = train_step(policy, optimizer, examples, reference, args, world, device)
             if not stats["skipped"]:
                 scheduler.step()
-        sums = sum_over_ranks({**stats, "tokens": sum(example_length(e) for e in examples)}, device)
+        sums = sum_over_ranks({**stats, **counted}, device)
         if not start_checked and sums["examples"]:  # the first step with examples (online, all groups may tie)
             check_start(sums, args)
             start_checked = True

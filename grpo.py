@@ -39,6 +39,7 @@ from common.resume import Checkpoints
 from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
                              load_prompts, rollout_mismatch_metrics)
 from common.rundir import RunArgs, open_run_dir
+from common.sequence_parallel import data_parallel
 from common.signals import stop_agreed
 from common.split import init_placement
 
@@ -259,12 +260,14 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     """Collective: what is logged of a step, over all ranks. generated: the samples as they came from the rollout
     (before they were shared out for training); samples: this rank's training share, with its log-probs."""
     lengths, scored = sample_lengths(samples), [s for s in samples if s["loss_weight"] > 0]  # those trained on
+    # Counts of samples as generated, each once (a sequence-parallel group's ranks share the same training samples).
+    with_signal = [s for s in generated if s["loss_weight"] > 0]
     sums = sum_over_ranks({
         "reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
-        "truncated": sum(not s["finished"] for s in generated),
-        "informative": sum(s["loss_weight"] > 0 for s in generated), "total_tokens": sum(lengths),
-        "trained_tokens": sum(sample_lengths(scored)), **stats}, device)
+        "truncated": sum(not s["finished"] for s in generated), "informative": len(with_signal),
+        "total_tokens": sum(sample_lengths(generated)), "trained_tokens": sum(sample_lengths(with_signal)),
+        **stats}, device)
     count, opt_steps = sums["count"], max(sums["opt_steps"] / world, 1)
     trained = max(sums["tokens"], 1)
     metrics = {
@@ -292,7 +295,8 @@ def resolve_defaults(args: Args) -> None:
 
 def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
-    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off).
+    placement, device = init_placement(args.rollout_ranks, args.sequence_parallel)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     rank, world = placement.rank, placement.world
@@ -329,8 +333,10 @@ def main(args: Args):
     stop = False
     for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
-        # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
-        generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
+        # Seeded per step and rank (a sequence-parallel group's ranks alike: they share their samples), so a resumed
+        # run shuffles its mini-batches as an uninterrupted one would.
+        group = data_parallel(rank, world)[0]
+        generator = torch.Generator().manual_seed((args.seed * 7919 + group) * 1_000_003 + step)
 
         # 1. Rollout: group_size responses per prompt, each scored by the reward as soon as its group is complete.
         generated, metrics = rollouts.next_batch(step)

@@ -46,6 +46,7 @@ from common.resume import Checkpoints
 from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
                              load_prompts, rollout_mismatch_metrics)
 from common.rundir import RunArgs, open_run_dir
+from common.sequence_parallel import data_parallel
 from common.signals import stop_agreed
 from common.split import init_placement
 from common.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
@@ -421,7 +422,7 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     sums = sum_over_ranks({
         "rule_reward": sum(s["reward"] for s in generated), "correct": sum(s["reward"] > 0 for s in generated),
         "count": len(generated), "response_tokens": sum(len(s["response_ids"]) for s in generated),
-        "truncated": sum(not s["finished"] for s in generated), "total_tokens": sum(lengths),
+        "truncated": sum(not s["finished"] for s in generated), "total_tokens": sum(sample_lengths(generated)),
         "model_score": sum(s["model_score"] for s in samples), "score": sum(s["score"] for s in samples),
         "train_count": len(samples), "tokens": len(advantages), "advantage": advantages.sum().item(),
         "advantage_sq": (advantages ** 2).sum().item(), "value": values.sum().item(), "return": returns.sum().item(),
@@ -462,7 +463,8 @@ def resolve_defaults(args: Args) -> None:
 
 def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
-    placement, device = init_placement(args.rollout_ranks)  # colocated, or split into trainers and rollout ranks
+    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off).
+    placement, device = init_placement(args.rollout_ranks, args.sequence_parallel)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     rank, world = placement.rank, placement.world
@@ -513,8 +515,10 @@ def main(args: Args):
     stop = False
     for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
-        # Seeded per step (and rank), so a resumed run shuffles its mini-batches as an uninterrupted one would.
-        generator = torch.Generator().manual_seed((args.seed * 7919 + rank) * 1_000_003 + step)
+        # Seeded per step and rank (a sequence-parallel group's ranks alike: they share their samples), so a resumed
+        # run shuffles its mini-batches as an uninterrupted one would.
+        group = data_parallel(rank, world)[0]
+        generator = torch.Generator().manual_seed((args.seed * 7919 + group) * 1_000_003 + step)
 
         # 1. Rollout: group_size responses per prompt, each with its rule reward.
         generated, metrics = rollouts.next_batch(step)

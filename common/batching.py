@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import max_over_ranks
+from common.sequence_parallel import data_parallel
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,7 +120,8 @@ def mini_batches(samples: list, epochs: int, num_mini_batches: int, generator: t
 
 def share_samples_evenly(samples: list, lengths: list[int], world_size: int, rank: int,
                          attention_weight: float = 0.0) -> tuple[list, list[int]]:
-    """Collective: re-deals all ranks' samples so that each rank gets about the same token work.
+    """Collective: re-deals all ranks' samples so that each rank gets about the same token work; with sequence
+    parallelism, each group of ranks that splits its rows between them (common/sequence_parallel.py) gets one share.
 
     Samples are small (token ids and a few numbers), so every rank gathers all of them (all_gather_object) and
     keeps its part. Global order is rank-major: rank 0's samples, then rank 1's... Returns this rank's samples and
@@ -129,7 +131,8 @@ def share_samples_evenly(samples: list, lengths: list[int], world_size: int, ran
     dist.all_gather_object(everyone, (samples, lengths))
     all_samples = [s for part, _ in everyone for s in part]
     all_lengths = [n for _, part in everyone for n in part]
-    mine = balance_across_ranks(all_lengths, world_size, attention_weight)[rank]
+    group, groups = data_parallel(rank, world_size)
+    mine = balance_across_ranks(all_lengths, groups, attention_weight)[group]
     return [all_samples[i] for i in mine], mine
 
 

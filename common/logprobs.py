@@ -14,6 +14,8 @@ import torch
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from common.batching import pack_sequences, plan_equal_micro_batches
+from common.sequence_parallel import (gather_scored, heads_to_sequence, local_part, sequence_parallel_size,
+                                      sequence_to_heads)
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -144,10 +146,17 @@ def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens:
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("packed_token_logprobs handles a plain bias-free LM head only")
+    index, targets, counts = packed["target_index"], packed["targets"], None
+    if sequence_parallel_size() > 1:  # this rank's slice of the row; the scored pieces gathered after the head
+        packed, index, mine, counts = local_part(packed, index)
+        targets = targets[mine]
     device, attention_kwargs = attach_forward_method(model, "packed_forward", _packed_forward, packed)
-    return model.packed_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
-                                packed["target_index"].to(device), packed["targets"].to(device), attention_kwargs,
-                                temperature, chunk_tokens, with_entropy)
+    logprobs, entropy = model.packed_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
+                                             index.to(device), targets.to(device), attention_kwargs, temperature,
+                                             chunk_tokens, with_entropy)
+    if counts is not None:
+        logprobs, entropy = gather_scored(logprobs, counts), gather_scored(entropy, counts)
+    return logprobs, entropy
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,11 +185,21 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if dropout:
         raise ValueError(f"{VARLEN_ATTENTION} attention has no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [total, heads, head_dim]
+    if sequence_parallel_size() > 1:  # this rank holds a slice of the row: trade it for a slice of the heads
+        k, v = _repeat_kv(k, v, max(k.shape[1], sequence_parallel_size()))  # fewer kv heads than ranks: copies
+        q, k, v = (heads_to_sequence(x) for x in (q, k, v))  # [whole row, heads / N, head_dim]
+        out = _varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+        return sequence_to_heads(out).unsqueeze(0), None
+    return _varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
+
+
+def _varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling) -> torch.Tensor:
+    """[total, heads, head_dim] (k, v: kv heads) -> [total, heads, head_dim], each sequence causal by itself."""
     if not q.is_cuda:
-        return _attention_by_length(q, k, v, cu_seq_lens_q, scaling).unsqueeze(0), None
+        return _attention_by_length(q, k, v, cu_seq_lens_q, scaling)
     if q.dtype == torch.float32:  # the flash kernel computes in bf16/fp16 only
         k, v = _repeat_kv(k, v, q.shape[1])
-        return EfficientVarlenAttention.apply(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
+        return EfficientVarlenAttention.apply(q, k, v, cu_seq_lens_q, max_length_q, scaling)
     from torch.nn.attention.varlen import varlen_attn
 
     options = _keywords(varlen_attn)  # they changed between torch releases
@@ -191,8 +210,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         if "scale" not in options:
             raise ValueError("this torch's varlen_attn has no `scale`; the model needs a non-default one")
         extra["scale"] = scaling
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **extra)
-    return out.unsqueeze(0), None
+    return varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **extra)
 
 
 def _repeat_kv(k, v, heads: int):

@@ -5,10 +5,12 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from common.logprobs import use_packed_attention
+from common.sequence_parallel import check_heads, sequence_parallel_size
 from sharding.checkpoint import load_saved_tokenizer
 
 
@@ -144,6 +146,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
     model but a policy that also generates with HF's generate (common/rollouts.py switches that one itself).
     """
+    if sequence_parallel_size() > 1:
+        check_heads(model.config, sequence_parallel_size())
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not trainable:
@@ -159,6 +163,14 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     if compile_layers:
         compile_model(model)
     fully_shard(model, mp_policy=policy)  # also moves the shards and buffers onto `device`
+    if trainable and sequence_parallel_size() > 1:
+        # Each rank of a sequence-parallel group computes a share of the same samples' gradient (its tokens), and
+        # every sum over ranks counts those samples once per rank: dividing the summed gradients by the number of
+        # groups instead of ranks gives the update of the same samples without sequence parallelism.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(dist.get_world_size() / sequence_parallel_size())
+                module.set_force_sum_reduction_for_comms(device.type == "cpu")  # gloo has no pre-multiplied sum
     model.train(trainable)
     if packed_rows:
         use_packed_attention(model, device)

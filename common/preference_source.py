@@ -21,6 +21,7 @@ from common.data import PromptSampler
 from common.distributed import sum_over_ranks
 from common.logprobs import packed_response_logprobs
 from common.lora import adapters_off
+from common.sequence_parallel import data_parallel
 from common.model import stop_token_ids
 from common.preferences import load_preference_rows
 from common.rollouts import load_prompts
@@ -69,8 +70,10 @@ def example_logps(model, examples: list[dict], which: tuple[int, ...] = (0, 1)) 
 
 @torch.no_grad()
 def reference_logps(model, rows: list[dict], budget: int, rank: int, world: int, device) -> list[tuple[float, float]]:
-    """Collective: every row's two summed log-probs under `model`, each rank computing a share."""
-    mine = list(range(rank, len(rows), world))
+    """Collective: every row's two summed log-probs under `model`, each rank (or sequence-parallel group) computing a
+    share."""
+    group, groups = data_parallel(rank, world)
+    mine = list(range(group, len(rows), groups))
     out = {}
     for mb in plan_equal_micro_batches([example_length(rows[i]) for i in mine], budget, device):
         first, second = example_logps(model, [rows[mine[j]] for j in mb])

@@ -13,6 +13,7 @@ import torch
 
 from common.batching import pack_sequences, plan_equal_micro_batches
 from common.logprobs import attach_forward_method, sample_lengths
+from common.sequence_parallel import gather_scored, local_part, sequence_parallel_size
 
 
 def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int) -> torch.nn.Module:
@@ -89,10 +90,15 @@ def _packed_scalar_forward(self, input_ids, position_ids, index, attention_kwarg
 
 
 def packed_scalars(model, packed: dict, index: torch.Tensor) -> torch.Tensor:
-    """The scalar head's output [len(index)] at the given positions of a packed row (common/batching.py)."""
+    """The scalar head's output [len(index)] at the given positions of a packed row (common/batching.py); with
+    sequence parallelism each rank reads its slice's positions and the group gathers them."""
+    counts = None
+    if sequence_parallel_size() > 1:
+        packed, index, _, counts = local_part(packed, index)
     device, attention_kwargs = attach_forward_method(model, "packed_scalar_forward", _packed_scalar_forward, packed)
-    return model.packed_scalar_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
-                                       index.to(device), attention_kwargs)
+    scalars = model.packed_scalar_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
+                                          index.to(device), attention_kwargs)
+    return scalars if counts is None else gather_scored(scalars, counts)
 
 
 def packed_values(critic, samples: list[dict]) -> list[torch.Tensor]:
