@@ -447,8 +447,9 @@ def check_start(sums: dict, args: Args) -> None:
 
 def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
-    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off).
-    placement, device = init_placement(args.rollout_ranks, args.sequence_parallel)
+    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off),
+    # sharding models over all of them or within groups of --shard-size.
+    placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     rank, world = placement.rank, placement.world

@@ -44,6 +44,22 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.1f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
 
 
+def layout_note(world: int, nodes: int) -> str:
+    """How the training ranks split the work: FSDP over all of them or hybrid (sharded within groups, replicated
+    across), and sequence-parallel groups."""
+    from common.model import sharding_mesh
+    from common.sequence_parallel import sequence_parallel_size
+    mesh = sharding_mesh()
+    groups, size = (1, world) if mesh is None else mesh.shape
+    note = f"FSDP over {world} rank{'s' if world > 1 else ''}" if groups == 1 else \
+        f"FSDP replicated on each of {world} ranks (--shard-size 1: no sharding)" if size == 1 else \
+        f"hybrid FSDP: sharded within each of {groups} groups of {size} ranks, replicated across them"
+    note += f" on {nodes} node{'s' if nodes > 1 else ''}"
+    if sequence_parallel_size() > 1:
+        note += f", sequences split over groups of {sequence_parallel_size()}"
+    return note
+
+
 def health_report(device: torch.device, output_dir: str, num_params: int) -> list[str]:
     """Collective over the default group: the health line, then any warnings. num_params: the parameters a training
     state holds (of every model trained)."""
@@ -62,6 +78,7 @@ def health_report(device: torch.device, output_dir: str, num_params: int) -> lis
         parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
     else:
         parts.append(f"{world} CPU process{'es' if world > 1 else ''} (gloo)")
+    parts.append(layout_note(world, nodes))
     warnings = []
     if world > 1:
         link = "one node" if nodes == 1 else "between nodes"

@@ -134,10 +134,35 @@ def compute_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
+_mesh = None  # the training ranks' device mesh for FSDP2: None shards over them all; 2-D for hybrid sharding
+
+
+def init_sharding(shard_size: int | None, device: torch.device) -> None:
+    """Collective over the training ranks. shard_size K (hybrid sharding, HSDP): FSDP2 over a 2-D mesh, every model
+    sharded within groups of K consecutive ranks (a node: the parameter all-gathers of each layer stay on its fast
+    links) and replicated across the groups (only the gradients' reduction crosses them, once per update). None, or
+    every rank: sharded over all of them."""
+    global _mesh
+    world = dist.get_world_size()
+    if shard_size is None or shard_size == world:
+        _mesh = None
+        return
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"--shard-size {shard_size} must divide the {world} training ranks")
+    from torch.distributed.device_mesh import init_device_mesh
+    _mesh = init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def sharding_mesh():
+    """The 2-D mesh of hybrid sharding, or None (every model sharded over every training rank)."""
+    return _mesh
+
+
 def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
                 trainable: bool = True, compile_layers: bool = False, precision: str = "bf16",
                 packed_rows: bool = False) -> torch.nn.Module:
-    """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head).
+    """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head), over every
+    training rank or, with hybrid sharding (init_sharding), within groups of them.
 
     On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
     are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`. Frozen parameters (a
@@ -159,10 +184,10 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
             if not param.requires_grad:
                 param.data = param.data.to(compute_dtype(precision))
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mesh=_mesh, mp_policy=policy)
     if compile_layers:
         compile_model(model)
-    fully_shard(model, mp_policy=policy)  # also moves the shards and buffers onto `device`
+    fully_shard(model, mesh=_mesh, mp_policy=policy)  # also moves the shards and buffers onto `device`
     if trainable and sequence_parallel_size() > 1:
         # Each rank of a sequence-parallel group computes a share of the same samples' gradient (its tokens), and
         # every sum over ranks counts those samples once per rank: dividing the summed gradients by the number of

@@ -31,7 +31,7 @@ NOT_DEFINING = ("steps", "eval_every", "save_every", "save_state_every", "keep_c
                 "output_dir", "run_name", "track", "wandb_project", "reward_workers", "reward_timeout",
                 "rollout_gpu_memory", "rollout_eager", "rollout_sleep_level", "sync_bucket_mb", "check_weight_sync",
                 "max_bad_steps", "max_tokens_per_micro_batch", "activation_checkpointing", "compile", "offload",
-                "logprob_diff_every", "hang_timeout", "sequence_parallel")
+                "logprob_diff_every", "hang_timeout", "sequence_parallel", "shard_size")
 UNSPOKEN = ("resume", "overwrite", "output_dir", "run_name")  # differ between launches by design: never listed
 RUN_FILE = "run.json"
 _locks = {}  # directory -> its lock file, held open for the life of the process: closing it would drop the lock
@@ -61,6 +61,10 @@ class RunArgs:
     for sequences whose activations do not fit one GPU: groups of N consecutive ranks train the same samples, each
     holding 1/N of every row's tokens (--max-tokens-per-micro-batch counts the whole row). The attention heads must
     divide by N. The update equals the one without it"""
+    shard_size: int | None = None
+    """hybrid sharding (HSDP): shard each model within groups of K consecutive ranks (a node's GPUs, so that the
+    parameter all-gathers stay inside it) and replicate it across the groups (only gradient reductions cross nodes);
+    unset: shard over every training rank. Memory per GPU is that of K-way sharding"""
     compile: bool = False
     """torch.compile each decoder layer of the models that train or score (dynamic shapes, for packed rows): fewer,
     fused kernels, which small models gain most from; the first steps take longer while it compiles"""

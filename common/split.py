@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import init_distributed, launch_store, quiet_libraries, use_store
+from common.model import init_sharding
 from common.sequence_parallel import init_sequence_parallel
 from common.signals import install_stop_handlers
 from sharding.vllm_sync import buckets, hf_name, num_bytes
@@ -55,11 +56,13 @@ class Placement:
         return self.role != "rollout"
 
 
-def init_placement(num_rollout: int, sequence_parallel: int = 1) -> tuple[Placement, torch.device]:
+def init_placement(num_rollout: int, sequence_parallel: int = 1,
+                   shard_size: int | None = None) -> tuple[Placement, torch.device]:
     """Collective over every process torchrun started: with num_rollout 0 one world where every rank trains and
     generates; else the split worlds below. The training ranks form sequence-parallel groups of `sequence_parallel`
-    (common/sequence_parallel.py). Then SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop
-    (common/signals.py), and libraries log warnings only."""
+    (common/sequence_parallel.py) and shard models within groups of `shard_size` (common/model.py's init_sharding).
+    Then SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/signals.py), and libraries log warnings
+    only."""
     if num_rollout:
         placement, device = init_split(num_rollout)
     else:
@@ -67,6 +70,7 @@ def init_placement(num_rollout: int, sequence_parallel: int = 1) -> tuple[Placem
         placement = Placement("colocated", rank, world, world, 0)
     if placement.trains:
         init_sequence_parallel(sequence_parallel)
+        init_sharding(shard_size, device)
     install_stop_handlers()
     quiet_libraries()
     return placement, device

@@ -382,3 +382,24 @@ def test_run_names_follow_the_command(tmp_path):
     fresh = torchrun([*given, "--steps", "1", "--resume", "none", "--overwrite"], tmp_path, nproc=1)
     assert fresh.returncode == 0 and "cleared the previous run" in fresh.stdout + fresh.stderr
     assert [row["step"] for row in metric_rows(run)] == [0, 1]
+
+
+def test_two_nodes_on_one_machine_train_with_hybrid_sharding(tmp_path):
+    """`torchrun --nnodes 2` twice on localhost, 2 ranks each, --shard-size 2: each model sharded within a "node" and
+    replicated across the two; the built-in task trains (30 steps) and both launches end cleanly."""
+    from gloo import free_port
+
+    port, out = free_port(), tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                                  "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                                  os.path.join(ROOT, "grpo.py"), "--shard-size", "2", "--steps", "30",
+                                  "--eval-every", "15", "--output-dir", str(out)],
+                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for n in (0, 1)]
+    outputs = [launch.communicate(timeout=400)[0] for launch in launches]
+    assert [launch.returncode for launch in launches] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "hybrid FSDP: sharded within each of 2 groups of 2 ranks, replicated across them" in outputs[0]
+    before, after = map(float, re.search(r"held-out greedy accuracy: ([\d.]+) before training -> ([\d.]+) after",
+                                         outputs[0]).groups())
+    assert after > before + 0.2, (before, after)

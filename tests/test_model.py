@@ -127,3 +127,70 @@ def test_precision_auto_picks_fp32_below_0_3b_parameters(tmp_path):
     assert pick_precision("auto", small) == "fp32" and pick_precision("auto", large) == "bf16"
     assert pick_precision("auto", None) == "fp32"  # the built-in tiny model
     assert pick_precision("bf16", small) == "bf16" and pick_precision("fp32", large) == "fp32"  # given: kept
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hybrid sharding (--shard-size): FSDP2 over a 2-D mesh.
+
+def hsdp_run(rank: int, world: int, shard_size, port: int, out: str, load_from: str | None):
+    """Three GRPO updates (SGD with momentum: Adam would turn gradients of float noise, such as a key bias's, into
+    full steps) on `world` ranks, models sharded within groups of `shard_size`; the weights, and a training state of
+    them. With load_from: that state loaded instead, and the weights and momenta as loaded."""
+    import grpo
+    from common.model import init_sharding, shard_model
+    from common.logprobs import compute_logprobs
+    from common.resume import load_training_state, save_training_state
+    from test_grpo import fixed_batch, tiny_model
+
+    init_gloo(rank, world, port)
+    cpu = torch.device("cpu")
+    init_sharding(shard_size, cpu)
+    model = shard_model(tiny_model(), cpu, packed_rows=True)
+    optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), None
+    if load_from:
+        load_training_state(load_from, model, optimizer, scheduler, None)
+    else:
+        samples = fixed_batch()[rank::world]
+        args = grpo.Args(max_tokens_per_micro_batch=16, max_response_len=4)
+        for _ in range(3):
+            for s, lp in zip(samples, compute_logprobs(model, samples, 16, 1.0, cpu)):
+                s["old_logprobs"] = lp - 0.05
+            grpo.update_policy(model, optimizer, samples, args, world, cpu, generator=None)
+        save_training_state(out, 3, model, optimizer, scheduler, None, {})
+    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    moments = {n: optimizer.state[p]["momentum_buffer"].full_tensor().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        mesh = next(model.parameters()).device_mesh
+        torch.save({"state": state, "moments": moments, "mesh": tuple(mesh.shape)},
+                   os.path.join(out, f"result_{shard_size}_{bool(load_from)}.pt"))
+    finish_gloo()
+
+
+def test_hybrid_sharding_trains_as_full_sharding_and_its_states_load_either_way(tmp_path):
+    """4 ranks: sharded within groups of 2 and replicated across the two groups, three updates end at the weights
+    of sharding over all 4 (to float tolerance: the gradients are summed in another order); a state saved with groups
+    of 2 loads exactly, weights and momenta, into a run sharded over all 4, and the other way round."""
+    from test_grpo import tiny_model
+
+    for shard_size in (2, None):
+        (tmp_path / str(shard_size)).mkdir()
+        launcher.spawn(hsdp_run, args=(4, shard_size, free_port(), str(tmp_path / str(shard_size)), None), nprocs=4)
+    hybrid, full = (torch.load(tmp_path / str(k) / f"result_{k}_False.pt") for k in (2, None))
+    assert hybrid["mesh"] == (2, 2) and full["mesh"] == (4,)  # replicated over 2 groups, sharded within each
+    initial = dict(tiny_model().named_parameters())
+    for name, weight in full["state"].items():
+        assert not torch.allclose(weight, initial[name].detach()), name
+        torch.testing.assert_close(hybrid["state"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    for saved, loader in [(2, None), (None, 2)]:
+        state = tmp_path / str(saved) / "state_000003"
+        launcher.spawn(hsdp_run, args=(4, loader, free_port(), str(tmp_path / str(saved)), str(state)), nprocs=4)
+        written = torch.load(tmp_path / str(saved) / f"result_{saved}_False.pt")
+        loaded = torch.load(tmp_path / str(saved) / f"result_{loader}_True.pt")
+        for kind in ("state", "moments"):
+            assert all(torch.equal(loaded[kind][n], t) for n, t in written[kind].items()), (saved, loader, kind)
+
+
+def test_a_shard_size_that_does_not_divide_is_one_line(tmp_path):
+    from test_grpo_e2e import assert_one_line_error, torchrun
+    assert_one_line_error(torchrun(["--shard-size", "3", "--steps", "1"], tmp_path),
+                          "--shard-size 3 must divide the 2 training ranks")

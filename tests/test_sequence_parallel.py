@@ -15,7 +15,7 @@ from transformers import AutoModelForTokenClassification, Qwen2Config
 import grpo
 from common.distributed import sum_over_ranks
 from common.logprobs import compute_logprobs, packed_response_logprobs
-from common.model import shard_model
+from common.model import init_sharding, shard_model
 from common.sequence_parallel import check_heads, init_sequence_parallel
 from common.value_models import packed_values
 from test_grpo import fixed_batch, tiny_model
@@ -73,12 +73,13 @@ def test_a_row_split_over_ranks_gives_what_one_rank_does(tmp_path, size):
         torch.testing.assert_close(split["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def grpo_update(rank: int, world: int, size: int, port: int, out: str):
+def grpo_update(rank: int, world: int, size: int, port: int, out: str, shard_size: int | None = None):
     """One GRPO update on 4 ranks, with a KL penalty and TIS weights: without sequence parallelism each rank takes 2
     of the 8 samples; with N = 2 each of the two groups takes 4, both of its ranks the same 4 (one mini-batch: the
     partition of the samples differs between the two layouts, the update over all of them does not)."""
     init_gloo(rank, world, port)
     init_sequence_parallel(size)
+    init_sharding(shard_size, CPU)
     model = shard_model(tiny_model(), CPU, packed_rows=True)
     group, groups = rank // size, world // size
     samples = fixed_batch()[group::groups]
@@ -95,20 +96,25 @@ def grpo_update(rank: int, world: int, size: int, port: int, out: str):
     state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"loss": sums["loss"] / world, "entropy": sums["entropy"] / sums["tokens"],
-                    "kl": sums["kl"] / sums["tokens"], "state": state}, os.path.join(out, f"grpo_sp{size}.pt"))
+                    "kl": sums["kl"] / sums["tokens"], "state": state},
+                   os.path.join(out, f"grpo_sp{size}_{shard_size}.pt"))
     finish_gloo()
 
 
 def test_a_grpo_update_on_four_ranks_is_the_same_with_two_groups_of_two(tmp_path):
-    for size in (1, 2):
-        launcher.spawn(grpo_update, args=(4, size, free_port(), str(tmp_path)), nprocs=4)
-    plain, split = torch.load(tmp_path / "grpo_sp1.pt"), torch.load(tmp_path / "grpo_sp2.pt")
-    for key in ("loss", "entropy", "kl"):
-        assert split[key] == pytest.approx(plain[key], rel=1e-5), key
+    """Also with hybrid sharding on top (models sharded within pairs of ranks, replicated across the pairs)."""
+    for size, shard_size in [(1, None), (2, None), (2, 2)]:
+        launcher.spawn(grpo_update, args=(4, size, free_port(), str(tmp_path), shard_size), nprocs=4)
+    plain = torch.load(tmp_path / "grpo_sp1_None.pt")
     initial = dict(tiny_model().named_parameters())
     for name, weight in plain["state"].items():
         assert not torch.allclose(weight, initial[name].detach()), f"{name} did not change"
-        torch.testing.assert_close(split["state"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    for variant in ("grpo_sp2_None.pt", "grpo_sp2_2.pt"):
+        split = torch.load(tmp_path / variant)
+        for key in ("loss", "entropy", "kl"):
+            assert split[key] == pytest.approx(plain[key], rel=1e-5), (variant, key)
+        for name, weight in plain["state"].items():
+            torch.testing.assert_close(split["state"][name], weight, rtol=1e-4, atol=1e-6, msg=f"{variant} {name}")
 
 
 def test_heads_that_do_not_split_are_one_line():
