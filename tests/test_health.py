@@ -27,7 +27,8 @@ def test_health_line_measures_the_link_and_warns_of_a_full_disk(tmp_path):
     launcher.spawn(health_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     small, huge = (tmp_path / "report.txt").read_text().split("\nHUGE\n")
     small = small.split("\n")[1:]
-    assert len(small) == 1 and small[0].startswith("health: 2 CPU processes (gloo); all-reduce ")
+    assert len(small) == 1 and small[0].startswith("health: 2 CPU processes (gloo); FSDP over 2 ranks on 1 node; "
+                                                    "all-reduce ")
     assert "GB/s bus bandwidth (one node)" in small[0] and "a training state about 0.0 MB" in small[0]
     assert float(small[0].split("all-reduce ")[1].split()[0]) > 0
     line, warning = huge.split("\n")
