@@ -39,6 +39,7 @@ from common.logprobs import model_token_mask
 from common.lora import LORA_LR_SCALE, LoraArgs, add_lora, check_lora_args
 from common.model import load_model, load_tokenizer, shard_model
 from common.optim import clip_and_step, make_optimizer
+from common.planner import plan_run
 from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
                                       example_logps, load_examples, response_lengths)
 from common.preferences import unpair
@@ -452,6 +453,7 @@ def main(args: Args):
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
+    plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
@@ -476,7 +478,7 @@ def main(args: Args):
         reward_model, rm_tokenizer = load_reward_model(args.reward_model)
         reward_model = shard(reward_model)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes, [policy])
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes + plan, [policy])
 
     # Where examples come from: the dataset (offline) or the policy's samples, scored and paired (online); the
     # shared rollouts also give greedy task accuracy wherever prompts have answers.

@@ -35,6 +35,7 @@ from common.logprobs import compute_logprobs, model_token_mask, model_tokens, pa
 from common.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
 from common.model import load_model, load_tokenizer, shard_model
 from common.optim import clip_and_step, make_optimizer
+from common.planner import plan_run
 from common.resume import Checkpoints
 from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
                              load_prompts, rollout_mismatch_metrics)
@@ -300,6 +301,7 @@ def main(args: Args):
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
+    plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
@@ -320,7 +322,7 @@ def main(args: Args):
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
                                 compile_layers=args.compile, precision=args.precision, packed_rows=True)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, [policy])
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy])
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                         run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,

@@ -42,6 +42,7 @@ from common.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_l
 from common.model import load_model, load_tokenizer, shard_model
 from common.offload import Offloader
 from common.optim import clip_and_step, make_optimizer
+from common.planner import plan_run
 from common.resume import Checkpoints
 from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
                              load_prompts, rollout_mismatch_metrics)
@@ -468,6 +469,7 @@ def main(args: Args):
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
+    plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
@@ -500,7 +502,7 @@ def main(args: Args):
     offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
     offload.park(critic, reference, reward_model)  # before vLLM sizes itself from the free memory
 
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes, [policy, critic])
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy, critic])
     rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                         run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,

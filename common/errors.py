@@ -152,6 +152,14 @@ def check_ranges(args, positive=(), at_least_one=(), non_negative=()) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {value}{hint}")
 
 
+def given_on_command_line(name: str) -> bool:
+    """Whether a flag (a field name: activation_checkpointing) was given on the command line, as --name or --no-name:
+    a default the scripts may then choose for the user (common/planner.py)."""
+    flag = name.replace("_", "-")
+    return any(arg.split("=", 1)[0] in (f"--{flag}", f"--no-{flag}", f"--{name}", f"--no-{name}")
+               for arg in sys.argv[1:])
+
+
 def parse_args(cls):
     """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank. --help lists the
     script's own flags first, then those of the shared classes its Args extends (RunArgs, RolloutArgs)."""

@@ -22,11 +22,18 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from common.errors import user_error
 from common.health import health_report
 from common.lora import flop_weighted_params
 from common.perf import StepPerf
+from common.planner import out_of_memory_report
 from common.signals import crash_point, signal_point
 from common.watchdog import Watchdog
+
+
+@user_error
+class OutOfGPUMemory(RuntimeError):
+    """A stage ran out of GPU memory: reported in one line, with the flags that would make the step fit."""
 
 
 class StageTimer:
@@ -50,11 +57,14 @@ class StageTimer:
         whose own watchdog watches that work: this rank's is paused meanwhile."""
         self._progress(f"stage '{stage}'", paused=waits_for_peers)
         signal_point(stage, self.step)
-        crash_point(stage, self.step)
         start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":  # GPU work is asynchronous: wait for it so time lands in its own stage
-            torch.cuda.synchronize(self.device)
+        try:
+            crash_point(stage, self.step)
+            yield
+            if self.device.type == "cuda":  # GPU work is asynchronous: wait for it so time lands in its own stage
+                torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError as error:  # one line: where, what is in use, what would fit (the planner)
+            raise OutOfGPUMemory(out_of_memory_report(stage, self.step, error)) from None
         self.seconds[f"time/{stage}"] += time.perf_counter() - start
         self._progress(f"the gap after stage '{stage}'")
 

@@ -55,7 +55,9 @@ class RunArgs:
     (log-probs agree to 0.002 per token against 0.04; SmolLM2 learned addition much faster in fp32 with GRPO, PPO and
     online DPO: benchmarks/README.md); auto: fp32 for models under 0.3B parameters, else bf16 (dpo.py offline: bf16)"""
     activation_checkpointing: bool = False
-    """recompute each decoder layer in backward to save memory"""
+    """recompute each decoder layer in backward to save memory; on GPUs, when neither this nor
+    --no-activation-checkpointing is given, the capacity planner turns it on where the step would not fit without it
+    (and says so at start-up)"""
     sequence_parallel: int = 1
     """split each packed row's tokens over N ranks (Ulysses: an all-to-all around attention trades tokens for heads),
     for sequences whose activations do not fit one GPU: groups of N consecutive ranks train the same samples, each

@@ -95,7 +95,7 @@ def crash_point(name: str, step: int) -> None:
     """Tests only: NANORL_TEST_CRASH=name:step kills this process (SIGKILL, as a node failure would) when it gets
     here at that step, so a test can stop a run between two writes deterministically. Options after the step, each
     after a colon: rank=R (only the launch's rank R), once (only before torchrun's first restart), raise (raise an
-    error instead: a bug that repeats at the same step), hang (wait for ever instead: a rank stuck outside the
+    error instead: a bug that repeats at the same step), oom (raise a CUDA out-of-memory error instead), hang (wait for ever instead: a rank stuck outside the
     collective the others wait in), until=PATH (wait instead until PATH exists, after creating PATH.reached: a
     hand-shake with a test that acts on the run while it waits there)."""
     point = os.environ.get("NANORL_TEST_CRASH", "").split(":")
@@ -108,6 +108,10 @@ def crash_point(name: str, step: int) -> None:
         return
     if "raise" in options:
         raise RuntimeError(f"test crash point {name} at step {step}")
+    if "oom" in options:  # as a CUDA allocation that fails
+        import torch
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (test crash point {name} at "
+                                     f"step {step})")
     while "hang" in options:
         time.sleep(1)
     if until := next((o.removeprefix("until=") for o in options if o.startswith("until=")), None):

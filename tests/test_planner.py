@@ -1,0 +1,111 @@
+"""common/planner.py and scripts/plan.py: the memory and time arithmetic on a case computed by hand, the flags it
+proposes for a configuration that does not fit, the scripts' flags as its inputs, the committed validation table
+(predicted against measured) as the fit gives it, and a stage that runs out of memory as one line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import grpo
+from common.planner import HEADROOM, Setup, Shape, fixes, fits, memory, setup_of_run, step_time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIMPLE = {"act_h": 10.0, "act_i": 4.0, "compile_act_share": 0.5, "ckpt_h": 2.0, "logit_copies": 2.0,
+          "overhead_gb": 1.0, "vllm_overhead_gb": 2.0, "mfu_at_1b": 0.5, "mfu_per_decade": 0.0, "compile_gain": 1.0,
+          "fp32_share": 0.5, "layer_pass_s": 0.01, "compile_pass_share": 1.0, "longest_over_mean": 2.0,
+          "decode_bw_share": 0.5, "decode_layer_s": 0.001, "decode_layer_eager_s": 0.002, "prefill_mfu": 0.5,
+          "sync_gb_s": 100.0}
+
+
+def test_memory_and_time_by_hand():
+    """hidden 1000, MLP 3000, 10 layers, 10 heads of 100 (5 kv), vocabulary 10,000, untied."""
+    shape = Shape(hidden=1000, intermediate=3000, layers=10, heads=10, kv_heads=5, vocab=10_000, tied=False)
+    layer = 1000 * 100 * (2 * 10 + 2 * 5) + 3 * 1000 * 3000 + 2 * 1000  # q, o: 1000x1000; k, v: 1000x500; MLP; norms
+    assert shape.layer_params == layer == 12_002_000
+    assert shape.params == 10 * layer + 2 * 10_000 * 1000 + 1000 == 140_021_000
+    setup = Setup(gpus=2, gpu="H100", gpu_memory_gb=80, prompt_len=100, max_prompt_len=100, response_len=300,
+                  max_response_len=400, samples=64, max_tokens_per_micro_batch=4096, sleep_level=2)
+    mem = memory(shape, setup, SIMPLE)
+    p, gb = shape.params, 1e9
+    tokens = 4096  # 64 x 400 / 2 GPUs = 12,800 a GPU, in micro-batches of 4,096
+    assert mem["training"]["weights"] == pytest.approx(4 * p / 2 / gb)
+    assert mem["training"]["gradients"] == pytest.approx(4 * p / 2 / gb)
+    assert mem["training"]["optimizer"] == pytest.approx(8 * p / 2 / gb)
+    assert mem["training"]["gathered"] == pytest.approx((2 * layer + 20_001_000) * 2 / gb)
+    assert mem["training"]["activations"] == pytest.approx(tokens * 10 * (10 * 1000 + 4 * 3000) / gb)
+    assert mem["training"]["logits"] == pytest.approx(2 * 2048 * 10_000 * 4 / gb)
+    # The KV cache the scripts size: 32 sequences of 512 tokens, 2 x 10 layers x 5 kv heads x 100 x 2 bytes a token.
+    kv = min(max(0.5, 1.1 * 32 * 512 * 2 * 10 * 5 * 100 * 2 / 2**30), 0.4 * 80e9 / 2**30) * 2**30 / gb
+    vllm = p * 2 / gb + kv + 2.0
+    cached = sum(mem["training"].values())
+    assert mem["rollout"] == pytest.approx({"trainer (cached)": cached, "vllm weights": p * 2 / gb, "kv cache": kv,
+                                           "vllm workspace": 2.0})
+    assert mem["peak"] == pytest.approx(max(cached, cached + vllm))
+    # Time: 6 FLOPs a parameter and token for the 64 x 400 tokens over two GPUs at 50% of 989 TFLOP/s, plus a fixed
+    # cost per layer and micro-batch (4 micro-batches a GPU); decoding 400 steps (min(400, 2 x 300)) of 10 layers x 1 ms
+    # + the weights and half the KV read at half of 3.35 TB/s, plus the prefill.
+    times = step_time(shape, setup, SIMPLE)
+    assert times["update"] == pytest.approx(6 * p * 64 * 400 / (2 * 989e12 * 0.5) + 4 * 10 * 0.01)
+    kv_read = 32 * (100 + 150) * 2 * 10 * 5 * 100 * 2 / 2 * 2
+    per_step = 10 * 0.001 + (p * 2 + kv_read) / (3.35e12 * 0.5)
+    prefill = 32 * 100 * 2 * p / (989e12 * 0.5)
+    assert times["rollout"] == pytest.approx(400 * per_step + prefill)
+    assert times["sync"] == pytest.approx(p * 2 / 100e9)
+
+
+def test_a_configuration_that_does_not_fit_gets_the_flags_that_would():
+    """A 7B shape's full fine-tuning on one GPU cannot fit (122 GB of weights, gradients and moments); with LoRA at
+    long micro-batches only activation checkpointing or smaller micro-batches bring it under the headroom."""
+    from scripts.plan import shape_named
+    seven = shape_named("7b")
+    full = Setup(gpus=1, gpu="H100", prompt_len=512, max_prompt_len=512, response_len=512, max_response_len=512,
+                 samples=256, max_tokens_per_micro_batch=16384)
+    assert not fits(seven, full)
+    assert [flag for flag, _ in fixes(seven, full)] == ["--activation-checkpointing --lora-rank 32"]
+    assert all(peak <= HEADROOM * full.memory_gb for _, peak in fixes(seven, full))
+    lora = Setup(**{**full.__dict__, "lora_rank": 32, "max_tokens_per_micro_batch": 65536, "response_len": 4096,
+                    "max_response_len": 4096})
+    assert not fits(seven, lora)
+    found = [flag for flag, _ in fixes(seven, lora)]
+    assert found and found[0] == "--activation-checkpointing", found
+
+
+def test_the_scripts_flags_as_the_planners_inputs():
+    args = grpo.Args(prompts_per_step=32, group_size=8, max_prompt_len=512, max_response_len=1024, lora_rank=16,
+                     kl_coef=0.1, sequence_parallel=2, shard_size=4, precision="bf16", rollout_tp=2)
+    setup = setup_of_run(args, None, 8, "NVIDIA H200", 150.0)
+    assert (setup.gpus, setup.gpu, setup.samples, setup.prompt_len, setup.response_len) == (8, "H200", 256, 512, 1024)
+    assert (setup.lora_rank, setup.sequence_parallel, setup.shard_size, setup.rollout_tp) == (16, 2, 4, 2)
+    assert setup.rollout and not setup.reference and not setup.critic  # with LoRA the reference is the base itself
+
+
+def test_the_committed_validation_table_is_what_the_fit_gives():
+    """benchmarks/results/planner/validation.md is `scripts/plan.py --validate` over the committed runs with the
+    committed coefficients: change either, and this says the table must be made again."""
+    result = subprocess.run([sys.executable, "scripts/plan.py", "--validate",
+                             "benchmarks/results/planner/measured_runs.json"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    with open(os.path.join(ROOT, "benchmarks/results/planner/validation.md")) as f:
+        assert result.stdout == f.read()
+    memory_line = next(line for line in result.stdout.splitlines() if line.startswith("memory:"))
+    within, runs = map(int, memory_line.split()[1:4:2])
+    assert within / runs >= 0.8, memory_line
+
+
+def test_plan_help_explains_every_input():
+    from scripts.plan import build_parser
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    assert len(actions) > 25 and all(a.help for a in actions), [a.dest for a in actions if not a.help]
+    result = subprocess.run([sys.executable, "scripts/plan.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "--max-response-len" in result.stdout
+
+
+def test_a_stage_out_of_memory_is_one_line(tmp_path):
+    """A CUDA out-of-memory error in a stage (simulated at a crash point: CPU has none) stops the run with one line
+    naming the stage and the step, no traceback."""
+    from test_grpo_e2e import TINY, assert_one_line_error, torchrun
+    result = torchrun([*TINY, "--steps", "3", "--output-dir", str(tmp_path / "run")], tmp_path,
+                      env={"NANORL_TEST_CRASH": "update:2:oom"})
+    assert_one_line_error(result, "out of GPU memory in stage 'update' of step 2")
