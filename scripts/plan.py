@@ -282,7 +282,10 @@ def main(argv=None):
         return
     if args.model:
         from transformers import AutoConfig
-        shape = Shape.from_config(AutoConfig.from_pretrained(args.model))
+        try:
+            shape = Shape.from_config(AutoConfig.from_pretrained(args.model))
+        except (OSError, ValueError) as e:  # no config.json there, or a hub that cannot be reached
+            raise SystemExit(f"error: --model {args.model}: could not read its config ({' '.join(str(e).split())[:200]})")
     else:
         shape = shape_named(args.shape)
     print("\n".join(describe(shape, setup_from_args(args))))
