@@ -8,7 +8,7 @@ hinge/SLiC, robust, APO-zero, SPPO-hard, SimPO: a few lines each in `preference_
 KTO (`--loss-type kto`) needs only responses labelled desirable or not: each reward is pushed above or below a
 reference point, the policy's current KL from the reference (`kto_loss`); a pair is two such rows. Examples come
 from a dataset (e.g. HH-RLHF), or online (Guo et al. 2024, https://arxiv.org/abs/2402.04792) from the policy's own
-samples, the reward picking the winner: common/preference_source.py's business.
+samples, the reward picking the winner: common/data/preference_source.py's business.
 
 Each step: examples -> reference log-probs (cached, computed once by the initial policy, or a frozen copy) -> policy
 log-probs in packed micro-batches -> loss -> update -> (online: weight sync) -> log -> checkpoint. At the first step
@@ -31,25 +31,26 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from common.batching import plan_equal_micro_batches, share_samples_evenly
-from common.distributed import finish_distributed, sum_over_ranks
-from common.errors import check_ranges, run_main
-from common.logger import start_logging
-from common.logprobs import model_token_mask
-from common.lora import LORA_LR_SCALE, LoraArgs, add_lora, check_lora_args
-from common.model import load_model, load_tokenizer, shard_model
-from common.optim import clip_and_step, make_optimizer
-from common.planner import plan_run
-from common.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
+from common.data.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
                                       example_logps, load_examples, response_lengths)
-from common.preferences import unpair
-from common.sequence_parallel import data_parallel
-from common.resume import Checkpoints
-from common.rollouts import RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults
-from common.rundir import RunArgs, open_run_dir
-from common.signals import stop_agreed
-from common.split import init_placement
-from common.value_models import load_reward_model
+from common.data.preferences import unpair
+from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
+                                     fill_rollout_defaults)
+from common.rollout.split import init_placement
+from common.run.distributed import finish_distributed, sum_over_ranks
+from common.run.errors import check_ranges, run_main
+from common.run.logger import start_logging
+from common.run.planner import plan_run
+from common.run.resume import Checkpoints
+from common.run.rundir import RunArgs, open_run_dir
+from common.run.signals import stop_agreed
+from common.train.batching import plan_equal_micro_batches, share_samples_evenly
+from common.train.logprobs import model_token_mask
+from common.train.lora import LORA_LR_SCALE, LoraArgs, add_lora, check_lora_args
+from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.optim import clip_and_step, make_optimizer
+from common.train.sequence_parallel import data_parallel
+from common.train.value_models import load_reward_model
 
 
 @dataclass
@@ -447,7 +448,7 @@ def check_start(sums: dict, args: Args) -> None:
 
 
 def main(args: Args):
-    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
     # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off),
     # sharding models over all of them or within groups of --shard-size.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)

@@ -12,7 +12,7 @@ Training runs under FSDP2 on packed token-budget micro-batches; rollouts come fr
 model itself (HF generate) on CPU, on every rank (colocated, the default) or on `--rollout-ranks K` ranks of their
 own (split placement), which with `--async-rollout` generate the next batch while the trainers train on this one,
 one update behind, corrected by truncated importance sampling (`--tis-cap`). Where samples come from is
-common/rollouts.py's business; this file is the algorithm. Left out on purpose: DAPO's dynamic sampling (refilling
+common/rollout/rollouts.py's business; this file is the algorithm. Left out on purpose: DAPO's dynamic sampling (refilling
 the batch with informative groups), overlong reward shaping.
 
     torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, about a minute
@@ -27,22 +27,24 @@ from typing import Literal
 
 import torch
 
-from common.batching import batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches, share_samples_evenly
-from common.distributed import finish_distributed, sum_over_ranks
-from common.errors import check_ranges, run_main
-from common.logger import start_logging
-from common.logprobs import compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs, sample_lengths
-from common.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
-from common.model import load_model, load_tokenizer, shard_model
-from common.optim import clip_and_step, make_optimizer
-from common.planner import plan_run
-from common.resume import Checkpoints
-from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
-                             load_prompts, rollout_mismatch_metrics)
-from common.rundir import RunArgs, open_run_dir
-from common.sequence_parallel import data_parallel
-from common.signals import stop_agreed
-from common.split import init_placement
+from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
+                                     fill_rollout_defaults, load_prompts, rollout_mismatch_metrics)
+from common.rollout.split import init_placement
+from common.run.distributed import finish_distributed, sum_over_ranks
+from common.run.errors import check_ranges, run_main
+from common.run.logger import start_logging
+from common.run.planner import plan_run
+from common.run.resume import Checkpoints
+from common.run.rundir import RunArgs, open_run_dir
+from common.run.signals import stop_agreed
+from common.train.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
+                                   share_samples_evenly)
+from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
+                                   sample_lengths)
+from common.train.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
+from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.optim import clip_and_step, make_optimizer
+from common.train.sequence_parallel import data_parallel
 
 
 @dataclass
@@ -295,7 +297,7 @@ def resolve_defaults(args: Args) -> None:
 
 
 def main(args: Args):
-    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
     # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off),
     # sharding models over all of them or within groups of --shard-size.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)

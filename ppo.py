@@ -12,8 +12,8 @@ update critic and policy -> weight sync -> log -> checkpoint. Before the policy 
 the first batch until it explains enough of the returns' variance (--critic-warmup-ev): a fresh critic's values are
 noise, and advantages made from them would push the policy at random. The math functions take right-padded
 [batch, seq] tensors over response tokens with a float mask (1 for a real token, 0 for padding). Samples come from
-common/rollouts.py (colocated vLLM or split placement, async). With --lora-rank both policy and critic train
-adapters on frozen bases (common/lora.py), the critic's value head in full, and the KL's reference is the policy's
+common/rollout/rollouts.py (colocated vLLM or split placement, async). With --lora-rank both policy and critic train
+adapters on frozen bases (common/train/lora.py), the critic's value head in full, and the KL's reference is the policy's
 own base with its adapters off. The critic keeps a base of its own, frozen in bf16 (2 bytes a parameter, parked in CPU
 memory with --offload): sharing the policy's would save that copy but make one module of two models (two adapters
 switched per pass, one FSDP unit, one state), and a --critic-model could no longer differ from the policy. Left out
@@ -32,25 +32,26 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from common.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
+from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
+                                     fill_rollout_defaults, load_prompts, rollout_mismatch_metrics)
+from common.rollout.split import init_placement
+from common.run.distributed import finish_distributed, sum_over_ranks
+from common.run.errors import check_ranges, run_main
+from common.run.logger import start_logging
+from common.run.planner import plan_run
+from common.run.resume import Checkpoints
+from common.run.rundir import RunArgs, open_run_dir
+from common.run.signals import stop_agreed
+from common.train.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
                              share_samples_evenly)
-from common.distributed import finish_distributed, sum_over_ranks
-from common.errors import check_ranges, run_main
-from common.logger import start_logging
-from common.logprobs import compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs, sample_lengths
-from common.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
-from common.model import load_model, load_tokenizer, shard_model
-from common.offload import Offloader
-from common.optim import clip_and_step, make_optimizer
-from common.planner import plan_run
-from common.resume import Checkpoints
-from common.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len, fill_rollout_defaults,
-                             load_prompts, rollout_mismatch_metrics)
-from common.rundir import RunArgs, open_run_dir
-from common.sequence_parallel import data_parallel
-from common.signals import stop_agreed
-from common.split import init_placement
-from common.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
+from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
+                                   sample_lengths)
+from common.train.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
+from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.offload import Offloader
+from common.train.optim import clip_and_step, make_optimizer
+from common.train.sequence_parallel import data_parallel
+from common.train.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
 
 
 @dataclass
@@ -270,7 +271,7 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     rewards, values, mask: [batch, seq]; values[:, t] is V of the state before response token t. Backwards from
     the end: delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where V and A after
     the last real token are 0. A padded position leaves the running V_{t+1} and A_{t+1} as they were, so nothing of
-    it reaches a real token. The observation tokens of a multi-turn episode (mask 0, common/episodes.py) are not
+    it reaches a real token. The observation tokens of a multi-turn episode (mask 0, common/rollout/episodes.py) are not
     actions and are skipped the same way: the model's last token before an observation bootstraps from V at its
     first token after it, the state that includes the observation, with one step of discount. Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding."""
     real = mask > 0  # torch.where, not multiplying by the mask: a NaN in a padded value stays out too
@@ -456,14 +457,14 @@ def resolve_defaults(args: Args) -> None:
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
-    scale = LORA_LR_SCALE if args.lora_rank else 1  # LoRA wants about 10x the learning rate (common/lora.py)
+    scale = LORA_LR_SCALE if args.lora_rank else 1  # LoRA wants about 10x the learning rate (common/train/lora.py)
     args.lr = (5e-4 if args.model is None else 1e-6) * scale if args.lr is None else args.lr
     args.critic_lr = (1e-3 if args.model is None else 1e-5) * scale if args.critic_lr is None else args.critic_lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
 
 
 def main(args: Args):
-    given = asdict(args)  # as on the command line: they name the run (common/rundir.py)
+    given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
     # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off),
     # sharding models over all of them or within groups of --shard-size.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)

@@ -3,7 +3,7 @@
 Single-turn: --num-prompts prompts x --group-size responses of exactly --new-tokens tokens (ignore_eos), one
 `generate`. Multi-turn: the same prompts x --group-size episodes of --turns turns of --new-tokens / --turns tokens
 each, an environment (this file's `make_env`) answering every turn but the last with a short user message, streamed
-through `run_turns` (common/episodes.py) with the environments in their processes, as a training step runs them.
+through `run_turns` (common/rollout/episodes.py) with the environments in their processes, as a training step runs them.
 Both count generated tokens only (not the observations); the ratio multi / single is what the multi-turn machinery
 costs: the environment round trips, the observations' prefill, and turns that wait for their observation.
 
@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
-from common.distributed import init_distributed  # noqa: E402
-from common.engines import make_rollout_engine  # noqa: E402
-from common.environments import EnvWorkers  # noqa: E402
-from common.episodes import ChatFormat, run_episodes  # noqa: E402
-from common.model import load_model, load_tokenizer, save_model_config, shard_model  # noqa: E402
+from common.rollout.engines import make_rollout_engine  # noqa: E402
+from common.rollout.environments import EnvWorkers  # noqa: E402
+from common.rollout.episodes import ChatFormat, run_episodes  # noqa: E402
+from common.run.distributed import init_distributed  # noqa: E402
+from common.train.model import load_model, load_tokenizer, save_model_config, shard_model  # noqa: E402
 
 
 class GoOn:

@@ -30,11 +30,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
-from common.distributed import init_distributed  # noqa: E402
-from common.logprobs import compute_logprobs, use_packed_attention  # noqa: E402
-from common.lora import add_lora  # noqa: E402
-from common.model import load_tokenizer, save_model_config, shard_model  # noqa: E402
-from common.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.run.distributed import init_distributed  # noqa: E402
+from common.train.logprobs import compute_logprobs, use_packed_attention  # noqa: E402
+from common.train.lora import add_lora  # noqa: E402
+from common.train.model import load_tokenizer, save_model_config, shard_model  # noqa: E402
 
 
 def main():
@@ -59,7 +59,7 @@ def main():
     tokenizer = load_tokenizer(args.model)
     lora = SimpleNamespace(lora_rank=args.rank, lora_alpha=args.alpha, lora_targets=None)
     # The base straight in bf16 on the GPU (the scripts load fp32 on the CPU and keep a frozen base in bf16 alike:
-    # common/model.py), adapters in fp32 as the scripts train them.
+    # common/train/model.py), adapters in fp32 as the scripts train them.
     model = add_lora(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map=device),
                      lora, seed=1)
     with torch.no_grad():  # adapters as after training: B is zero at the start, which would merge into the base

@@ -27,8 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.data import load_rows, tokenize_prompts  # noqa: E402
-from common.model import token_logprobs  # noqa: E402
+from common.data.prompts import load_rows, tokenize_prompts  # noqa: E402
+from common.train.model import token_logprobs  # noqa: E402
 
 
 def sequence_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, autocast: bool = False,
@@ -86,7 +86,7 @@ def sample(args, prompts: list[list[int]], device, vllm_dtype: str | None):
 
 def trainer_logprobs(model, sequences, device, temperature: float) -> list[torch.Tensor]:
     """The training path's log-probs of the responses (see the module docstring)."""
-    from common.logprobs import compute_logprobs
+    from common.train.logprobs import compute_logprobs
     samples = [{"prompt_ids": p, "response_ids": r} for p, r in sequences]
     return compute_logprobs(model, samples, max_tokens=16384, temperature=temperature, device=device)
 
@@ -107,9 +107,9 @@ def main():
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.distributed import init_distributed
-    from common.logprobs import use_packed_attention
-    from common.model import shard_model
+    from common.run.distributed import init_distributed
+    from common.train.logprobs import use_packed_attention
+    from common.train.model import shard_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)

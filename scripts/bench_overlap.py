@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
 from bench_rollout import train_step  # noqa: E402  (same folder)
 from bench_sync import SHAPES, build_policy, qwen2_config, report, save_config  # noqa: E402
-from common.distributed import init_distributed  # noqa: E402
-from common.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.run.distributed import init_distributed  # noqa: E402
 
 
 def main():

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
 from bench_sync import SHAPES, build_policy, qwen2_config, report, save_config, slowest  # noqa: E402  (same folder)
-from common.distributed import all_reduce_sum, init_distributed  # noqa: E402
-from common.model import token_logprobs  # noqa: E402
-from common.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.run.distributed import all_reduce_sum, init_distributed  # noqa: E402
+from common.train.model import token_logprobs  # noqa: E402
 
 
 def train_step(policy, optimizer, batch: int, seq: int, vocab: int, generator: torch.Generator) -> None:

@@ -8,7 +8,7 @@ sleep, update_weights (wake, sync, wake). Each cycle is run --iters times per sl
   1: weights parked in CPU memory by sleep and copied back by the wake-up, only to be overwritten;
   2: weights dropped by sleep, the wake-up maps empty memory and the sync fills it (--rollout-sleep-level 2).
 The KV cache is sized as the training scripts size it by default, for --sequences sequences of 1,024 tokens
-(common/vllm_engine.py kv_cache_gib), unless --gpu-memory says otherwise: mapping it back is most of a wake-up.
+(common/rollout/vllm_engine.py kv_cache_gib), unless --gpu-memory says otherwise: mapping it back is most of a wake-up.
 The time of an iteration is the slowest rank's; the report gives medians per level (sleep, wake, transfer, and the
 in-loop sync = wake + transfer, as the training loop logs it), their ratio to the pure transfer, and the check of
 the last sync at every level (check_weight_sync).
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/ and sharding/
-from common.distributed import init_distributed  # noqa: E402
-from common.model import shard_model  # noqa: E402
-from common.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
+from common.run.distributed import init_distributed  # noqa: E402
+from common.train.model import shard_model  # noqa: E402
 from scripts.random_model import SHAPES, qwen2_config  # noqa: E402
 
 def save_config(config: Qwen2Config, path: str, rank: int) -> str:

@@ -5,7 +5,7 @@ several under torchrun, where every rank steps through the same batches (tokens/
 samples whose responses have long-tailed lengths (lognormal, median --median-response, capped at --max-response)
 after a --prompt-len-token prompt. Every step is GRPO-shaped: log-probs of the response tokens, an
 advantage-weighted token-mean loss, backward, AdamW. Both modes see the same batches:
-- packed: micro-batches of at most --max-tokens tokens packed into one row each (common/batching.py): varlen
+- packed: micro-batches of at most --max-tokens tokens packed into one row each (common/train/batching.py): varlen
   attention, the LM head in chunks on the response positions only;
 - padded: --padded-micro-batch samples per micro-batch in arrival order, right-padded to their longest, sdpa with a
   padding mask and full float32 logits (common/model.token_logprobs): the naive step.
@@ -36,11 +36,11 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
-from common.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
-from common.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
-from common.perf import mfu, peak_flops  # noqa: E402
-from common.distributed import init_distributed  # noqa: E402
-from common.model import compile_model, shard_model, token_logprobs  # noqa: E402
+from common.run.distributed import init_distributed  # noqa: E402
+from common.run.perf import mfu, peak_flops  # noqa: E402
+from common.train.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
+from common.train.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
+from common.train.model import compile_model, shard_model, token_logprobs  # noqa: E402
 from scripts.random_model import SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402
 
 # Besides Qwen2.5's architectures and a tiny one for CPU smoke tests (scripts/random_model.py): SmolLM2-135M's.

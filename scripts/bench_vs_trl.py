@@ -177,9 +177,9 @@ def kto_rows(args, tokenizer) -> tuple[list[dict], list[dict], int]:
     on ours' step k's rows. The held-out pairs are ours' token ids, for `pair_logps`."""
     from types import SimpleNamespace
 
-    from common.data import PromptSampler
-    from common.model import stop_token_ids
-    from common.preferences import load_pairs, load_preference_rows, tokenize_pairs, unpair
+    from common.data.preferences import load_pairs, load_preference_rows, tokenize_pairs, unpair
+    from common.data.prompts import PromptSampler
+    from common.train.model import stop_token_ids
 
     # dpo.py's flags as the bench passes them, the others at dpo.py's defaults (tests/test_bench_vs_trl_kto.py
     # checks them against dpo.Args).
@@ -200,7 +200,7 @@ def kto_rows(args, tokenizer) -> tuple[list[dict], list[dict], int]:
             pass
     if [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in unpair(tokenized)] != \
             [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in rows]:
-        raise SystemExit("error: the pairs kept here are not the rows dpo.py loads: has common/preferences.py's "
+        raise SystemExit("error: the pairs kept here are not the rows dpo.py loads: has common/data/preferences.py's "
                          "load_preference_rows changed? (kto_rows reproduces it)")
     text = [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
             for pair in kept for side in ("chosen", "rejected")]  # unpair's order: rows[i] is text[i]
@@ -252,7 +252,7 @@ def trl_worker(args) -> None:
     import torch
     from datasets import Dataset
 
-    from common.model import load_tokenizer
+    from common.train.model import load_tokenizer
 
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -263,8 +263,8 @@ def trl_worker(args) -> None:
     if args.algo == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        from common.data import formatted_conversation, load_train_eval
-        from common.rewards import load_reward_fn
+        from common.data.prompts import formatted_conversation, load_train_eval
+        from common.rollout.rewards import load_reward_fn
 
         train_rows, eval_rows = load_train_eval(args.data, args.prompt_key, args.answer_key, eval_size=args.eval_size,
                                                 seed=args.seed)
@@ -299,7 +299,7 @@ def trl_worker(args) -> None:
     elif args.algo == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        from common.preferences import load_pairs
+        from common.data.preferences import load_pairs
 
         pairs, _ = load_pairs(args.data)
         train, held_out = pairs[:-args.eval_size], pairs[-args.eval_size:]

@@ -5,7 +5,7 @@
 
 questions: rows {"question", "answer"} (grpo.py --tools calculator --prompt-key question). pairs: preference pairs
 for a warm start with dpo.py: the prompt as grpo.py --tools calculator renders it for a chat template without tool
-support (the tool described in a system message, common/episodes.py), the chosen response a call of the calculator
+support (the tool described in a system message, common/rollout/episodes.py), the chosen response a call of the calculator
 on the two numbers, the rejected one a direct answer with a wrong product. SmolLM2-135M-Instruct never writes a
 tool call by itself (none in 36 samples, with the format and an example in the system prompt or in the question),
 so GRPO alone would have nothing to reinforce; after the warm start it calls the tool, and GRPO teaches it to use
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
-from common.episodes import with_tools_described  # noqa: E402
-from common.tools import calculator, tool_schema  # noqa: E402
+from common.rollout.episodes import with_tools_described  # noqa: E402
+from common.rollout.tools import calculator, tool_schema  # noqa: E402
 
 
 def main():

@@ -1,4 +1,4 @@
-"""The capacity planner (common/planner.py) from the command line: for a model, a machine, the lengths, the batch and
+"""The capacity planner (common/run/planner.py) from the command line: for a model, a machine, the lengths, the batch and
 the flags, the expected memory per GPU by part and the step time by stage, and the flags that would make a
 configuration that does not fit fit.
 
@@ -6,7 +6,7 @@ configuration that does not fit fit.
         --prompt-len 512 --response-len 400 --max-response-len 512 --prompts-per-step 32 --group-size 8
     python scripts/plan.py --shape 1.5b --response-len 2000 --max-response-len 8192 --prompts-per-step 16
     python scripts/plan.py --validate benchmarks/results/planner/measured_runs.json   # predicted against measured
-    python scripts/plan.py --fit benchmarks/results/planner/measured_runs.json        # refit common/planner.py's FIT
+    python scripts/plan.py --fit benchmarks/results/planner/measured_runs.json        # refit common/run/planner.py's FIT
 
 --model takes a local directory or a hub id whose config.json can be read (no weights are loaded); --shape one of
 scripts/random_model.py's Qwen2.5 shapes or smollm2 (SmolLM2-135M), for a machine without the hub.
@@ -21,7 +21,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
-from common.planner import FIT, GPUS, Setup, Shape, describe, memory, step_time  # noqa: E402
+from common.run.planner import FIT, GPUS, Setup, Shape, describe, memory, step_time  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)

@@ -4,8 +4,8 @@ import argparse, cProfile, functools, gc, io, json, pstats, statistics, sys, tim
 import torch, torch.distributed as dist
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
-from common.distributed import init_distributed
-from common.vllm_engine import VLLMRolloutEngine
+from common.rollout.vllm_engine import VLLMRolloutEngine
+from common.run.distributed import init_distributed
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="/tmp/smollm2")

@@ -6,7 +6,7 @@ as a copy in the repo root for benchmarks/results/sync_level0_kv_sized_1xh200/pr
 Variants on one engine (level-2 sleep unless said): "current" the sync as update_weights made it before level 0, each
 part timed; "overlap" the KV cache mapped while the transfer's copies run; "kv_only" and "kv_only_serial" only the KV
 cache freed, mapped during / after the transfer; "maps" the two wake-ups alone. Written before level 0 existed in
-common/vllm_engine.py, which now does what kv_only_serial does.
+common/rollout/vllm_engine.py, which now does what kv_only_serial does.
 """
 import json
 import statistics
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/, scripts/ and sharding/
-from common.distributed import init_distributed
-from common.vllm_engine import VLLMRolloutEngine
+from common.rollout.vllm_engine import VLLMRolloutEngine
+from common.run.distributed import init_distributed
 from scripts.bench_sync import build_policy, save_config
 from scripts.random_model import qwen2_config
 from sharding.vllm_sync import buckets, num_bytes, trainer_weights

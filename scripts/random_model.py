@@ -36,7 +36,7 @@ def qwen2_config(shape: str) -> Qwen2Config:
 
 def full_vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from common.synthetic import SPECIAL_TOKENS, WORDS
+    from common.data.synthetic import SPECIAL_TOKENS, WORDS
     words = SPECIAL_TOKENS + WORDS
     words += [f"w{i}" for i in range(len(words), vocab_size)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

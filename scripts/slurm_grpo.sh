@@ -57,7 +57,7 @@ MIN_NODES=${MIN_NODES:-$SLURM_NNODES}
 # srun options in --name=value form. Unless the job may lose nodes, --kill-on-bad-exit stops every node when one
 # fails, instead of a hang; if it may (submit with `sbatch --no-kill` too), --no-kill keeps the step on the others.
 # torchrun's workers otherwise share one key-value store over all its restarts, and across nodes the restarts are
-# not counted alike: a fresh store for every attempt (common/distributed.py's launch_store).
+# not counted alike: a fresh store for every attempt (common/run/distributed.py's launch_store).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 if [ "$MIN_NODES" = "$SLURM_NNODES" ]; then NODE_LOSS=(--kill-on-bad-exit=1); else NODE_LOSS=(--no-kill); fi
 srun --ntasks-per-node=1 "${NODE_LOSS[@]}" \

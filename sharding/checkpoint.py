@@ -3,7 +3,7 @@
 Each parameter is gathered one at a time and offloaded to CPU (torch.distributed.checkpoint's full state dict with
 cpu_offload), so no GPU ever holds more than one full tensor; rank 0 writes safetensors, config and tokenizer, and
 checks that the tokenizer reads back, as our scripts load a --model (`load_saved_tokenizer`, which
-common.model.load_tokenizer calls), as the one that trained (transformers picks a tokenizer class by model type, which
+common.train.model.load_tokenizer calls), as the one that trained (transformers picks a tokenizer class by model type, which
 for some types ignores the saved tokenizer: the model would then load with other token ids).
 A LoRA model (sharding/lora.py) is exported as PEFT's adapter directory (its adapters alone, a few MB), or merged
 into the base architecture, a full model.
@@ -31,7 +31,7 @@ def saved_as_plain_backend(path: str) -> bool:
 
 def load_saved_tokenizer(path: str):
     """The tokenizer of an HF model (hub id or directory), as it was saved. Defined here, beside the export that
-    must read back, and used by common.model.load_tokenizer, so that the check below loads as the scripts do."""
+    must read back, and used by common.train.model.load_tokenizer, so that the check below loads as the scripts do."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if saved_as_plain_backend(path) and type(tokenizer).__name__ != "TokenizersBackend":
         # Saved as a plain tokenizers pipeline (e.g. a word-level one), which AutoTokenizer would rebuild as the
@@ -85,7 +85,7 @@ def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str, dtype: torc
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     # Every rank stops with rank 0's verdict, or the others would wait forever in their next collective. As a
-    # ValueError it is a user error (common/errors.py): one line, the same whichever rank gets to report it.
+    # ValueError it is a user error (common/run/errors.py): one line, the same whichever rank gets to report it.
     verdict = [None if error is None else str(error)]
     dist.broadcast_object_list(verdict, src=0)  # also the barrier: no rank goes on before the export is in place
     if error is not None:

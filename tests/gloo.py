@@ -6,7 +6,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from common.distributed import finish_distributed
+from common.run.distributed import finish_distributed
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Token-budget batching (common/batching.py): plans checked by hand and by invariant, packing, and a GRPO loss whose
+"""Token-budget batching (common/train/batching.py): plans checked by hand and by invariant, packing, and a GRPO loss whose
 gradients do not depend on the split (budget 64 == one micro-batch == 2 ranks), with the packed forward under
 FSDP2 equal to the plain one."""
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from common.batching import (balance_across_ranks, batching_metrics, equalize_micro_batches, gather_in_original_order,
-                             pack_sequences, pad_rows, plan_micro_batches, restore_order, share_samples_evenly)
-from common.logprobs import packed_token_logprobs
-from common.distributed import all_reduce_sum, max_over_ranks
-from common.model import shard_model
+from common.run.distributed import all_reduce_sum, max_over_ranks
+from common.train.batching import (balance_across_ranks, batching_metrics, equalize_micro_batches,
+                                   gather_in_original_order, pack_sequences, pad_rows, plan_micro_batches,
+                                   restore_order, share_samples_evenly)
+from common.train.logprobs import packed_token_logprobs
+from common.train.model import shard_model
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 

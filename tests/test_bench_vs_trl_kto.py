@@ -22,9 +22,9 @@ from random_data import pair_rows  # noqa: E402
 from random_model import save_random_model  # noqa: E402
 
 import dpo
-from common.data import PromptSampler
-from common.model import load_tokenizer, stop_token_ids
-from common.preferences import load_preference_rows, tokenize_pairs
+from common.data.preferences import load_preference_rows, tokenize_pairs
+from common.data.prompts import PromptSampler
+from common.train.model import load_tokenizer, stop_token_ids
 
 PAIRS_PER_STEP, EVAL_SIZE, MAX_LEN = 8, 6, 64
 NO_CUT = 2048  # longer than any prompt + response of pair_rows (835 + 557 tokens at most)

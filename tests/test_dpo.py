@@ -11,8 +11,8 @@ import torch
 
 import dpo
 import launcher
-from common import preference_source
-from common.preferences import unpair
+from common.data import preference_source
+from common.data.preferences import unpair
 from gloo import finish_gloo, free_port, init_gloo
 
 
@@ -214,8 +214,8 @@ def test_online_pairs_take_best_against_worst_and_skip_ties():
 
 
 def pieces_worker(rank: int, world: int, port: int, out_dir: str):
-    from common.model import load_model, shard_model, token_logprobs
-    from common.synthetic import build_tiny_tokenizer
+    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.model import load_model, shard_model, token_logprobs
     init_gloo(rank, world, port)
     cpu = torch.device("cpu")
     tokenizer = build_tiny_tokenizer()
@@ -287,7 +287,7 @@ def pieces_worker(rank: int, world: int, port: int, out_dir: str):
 
 
 def sum_over(value: float, device) -> float:
-    from common.distributed import all_reduce_sum
+    from common.run.distributed import all_reduce_sum
     return all_reduce_sum([value], device)[0]
 
 

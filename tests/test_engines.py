@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from common.model import token_logprobs
-from common.engines import HFRolloutEngine
+from common.rollout.engines import HFRolloutEngine
+from common.train.model import token_logprobs
 
 EOS = 1
 
@@ -56,7 +56,7 @@ def test_rollout_is_seeded_and_greedy_is_deterministic():
 def test_stop_tokens_include_the_generation_configs(tmp_path):
     from transformers import GenerationConfig
 
-    from common.model import load_tokenizer, stop_token_ids
+    from common.train.model import load_tokenizer, stop_token_ids
     tokenizer = load_tokenizer(None)
     assert stop_token_ids(None, tokenizer) == [tokenizer.eos_token_id]
     assert stop_token_ids(str(tmp_path), tokenizer) == [tokenizer.eos_token_id]  # no generation_config.json
@@ -77,7 +77,7 @@ def test_logprobs_are_optional_and_do_not_change_the_samples():
 
 
 def test_default_kv_cache_holds_the_sequences_of_a_step():
-    from common.vllm_engine import default_sleep_level, kv_cache_gib
+    from common.rollout.vllm_engine import default_sleep_level, kv_cache_gib
     # Qwen2.5-0.5B: 24 layers, 2 kv heads of 64 dims. In bf16, keys and values take 2 * 24 * 2 * 64 * 2 = 12,288
     # bytes a token, so 256 sequences of 1,024 tokens take 3 GiB, and 3.3 GiB with the tenth added.
     config = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24)

@@ -1,12 +1,12 @@
-"""common/environments.py: tool calls parsed as models write them, ToolEnv's turns, and the environment processes:
+"""common/rollout/environments.py: tool calls parsed as models write them, ToolEnv's turns, and the environment processes:
 answers in order, a stuck call killed and counted while the other episodes of its process carry on, an error in
 the environment's code named by sample and turn."""
 
 import pytest
 
-from common.environments import EnvError, EnvWorkers, ToolEnv, load_env_factory, parse_tool_calls
-from common.synthetic import LookupEnv, make_synthetic_rows
-from common.tools import calculator
+from common.data.synthetic import LookupEnv, make_synthetic_rows
+from common.rollout.environments import EnvError, EnvWorkers, ToolEnv, load_env_factory, parse_tool_calls
+from common.rollout.tools import calculator
 
 COUNTER_ENV = '''
 import os, time

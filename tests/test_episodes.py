@@ -1,4 +1,4 @@
-"""common/episodes.py: a trajectory's ids are the chat template's rendering of its conversation, built by appending
+"""common/rollout/episodes.py: a trajectory's ids are the chat template's rendering of its conversation, built by appending
 (never re-encoding what the model generated); observation tokens are masked out of every loss; episodes through the
 HF engine: masks and observations where they belong, and a one-turn environment samples exactly what the
 single-turn path samples."""
@@ -12,9 +12,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AddedToken, PreTrainedTokenizerFast
 
 import launcher
-from common.episodes import ChatFormat, MultiTurn, with_tools_described
-from common.synthetic import NUM_VALUES, LookupEnv, build_tiny_tokenizer
-from common.tools import calculator, tool_schema
+from common.data.synthetic import NUM_VALUES, LookupEnv, build_tiny_tokenizer
+from common.rollout.episodes import ChatFormat, MultiTurn, with_tools_described
+from common.rollout.tools import calculator, tool_schema
 from gloo import finish_gloo, free_port, init_gloo
 
 # The tool parts of Qwen2.5-Instruct's chat template (its system message for tools, assistant turns, tool messages
@@ -94,7 +94,7 @@ def test_a_trajectory_is_the_template_rendering_of_its_conversation(template):
         whole = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True, return_dict=False)
         assert ids == list(whole[:len(ids)]) and tokenizer.decode(whole[len(ids):]) == "\n"
         assert tokenizer.decode([t for t, m in zip(ids[prompt_len:], mask) if m == 0]).count("<tool_response>") == 3
-    else:  # contents between blank lines, after the turn as generated (a plain-text prompt: common/data.py)
+    else:  # contents between blank lines, after the turn as generated (a plain-text prompt: common/data/prompts.py)
         prompt = "\n\n".join(m["content"] for m in with_tools_described(opening, tools))
         ends = ["", "<|im_end|>", "<|im_end|>"]
         observations = ["\n\n" + "\n\n".join(r) + "\n\n" for r in results] + [""]
@@ -123,7 +123,7 @@ def test_tools_are_described_where_the_template_cannot_render_them():
 # Episodes through the HF engine on the built-in tiny model.
 
 ONE_TURN_ENV = '''
-from common.synthetic import synthetic_reward
+from common.data.synthetic import synthetic_reward
 
 class OneTurn:
     def __init__(self, row):
@@ -148,11 +148,11 @@ def episode_args(**overrides) -> SimpleNamespace:
 def run_episodes_worker(rank: int, world: int, port: int, out_dir: str, env_file: str) -> None:
     """Lookup episodes with the built-in model, and the same prompts through a one-turn environment and through
     the single-turn path (generate + the reward), from the same seed."""
-    from common.data import load_train_eval, tokenize_prompts
-    from common.engines import HFRolloutEngine
-    from common.model import load_model, load_tokenizer
-    from common.rewards import RewardScorer
-    from common.rollouts import sample_batch, scored_samples
+    from common.data.prompts import load_train_eval, tokenize_prompts
+    from common.rollout.engines import HFRolloutEngine
+    from common.rollout.rewards import RewardScorer
+    from common.rollout.rollouts import sample_batch, scored_samples
+    from common.train.model import load_model, load_tokenizer
 
     init_gloo(rank, world, port)
     tokenizer = load_tokenizer(None)

@@ -1,10 +1,10 @@
-"""common/errors.py: what a failure prints, and that one rank prints it."""
+"""common/run/errors.py: what a failure prints, and that one rank prints it."""
 
 import pytest
 import torch.distributed as dist
 
-from common import errors
-from common.rewards import RewardError
+from common.rollout.rewards import RewardError
+from common.run import errors
 
 
 def test_user_errors_are_one_line_bugs_keep_their_traceback(monkeypatch):

@@ -1,5 +1,5 @@
 """The colocated vLLM path on one GPU: weight sync equality (sharding/vllm_sync.py) and log-prob parity between
-vLLM's sampled tokens and the trainer's forward pass (common/vllm_engine.py). Skipped without CUDA and vllm.
+vLLM's sampled tokens and the trainer's forward pass (common/rollout/vllm_engine.py). Skipped without CUDA and vllm.
 
 Run: python -m pytest -m gpu tests/test_gpu.py
 """
@@ -38,11 +38,11 @@ def nccl_world():
 
 def test_offload_between_phases_changes_nothing(nccl_world):
     """Three AdamW steps of an FSDP2 model with it and its optimizer parked in CPU memory between them
-    (common/offload.py, ppo.py --offload) end at the weights of three steps without; parked, neither holds GPU
+    (common/train/offload.py, ppo.py --offload) end at the weights of three steps without; parked, neither holds GPU
     memory. A moment lost or left behind on the way would change the weights or fail the step."""
-    from common.model import shard_model
-    from common.offload import Offloader
-    from common.optim import make_optimizer
+    from common.train.model import shard_model
+    from common.train.offload import Offloader
+    from common.train.optim import make_optimizer
 
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
 
@@ -79,8 +79,8 @@ def test_offload_between_phases_changes_nothing(nccl_world):
 def colocated(tmp_path_factory, nccl_world):
     """A world of one (NCCL), a tiny FSDP2 Qwen2 policy and a vLLM engine that starts with dummy weights."""
     pytest.importorskip("vllm")
-    from common.model import shard_model
-    from common.vllm_engine import VLLMRolloutEngine
+    from common.rollout.vllm_engine import VLLMRolloutEngine
+    from common.train.model import shard_model
 
     config = Qwen2Config(**CONFIG)
     model_dir = tmp_path_factory.mktemp("tiny_qwen2")
@@ -173,7 +173,7 @@ def test_sync_makes_vllm_equal_the_trainer(colocated):
 
 
 def test_vllm_logprobs_match_the_trainer(colocated):
-    from common.model import token_logprobs
+    from common.train.model import token_logprobs
 
     policy, engine = colocated
     engine.update_weights(policy)
@@ -255,8 +255,8 @@ def test_a_lora_policy_reaches_vllm_merged(colocated):
     other weights; an adapter changed after the sync is found under its layer's weight."""
     from types import SimpleNamespace
 
-    from common.lora import add_lora
-    from common.model import shard_model
+    from common.train.lora import add_lora
+    from common.train.model import shard_model
 
     _, engine = colocated
     torch.manual_seed(0)

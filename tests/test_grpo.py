@@ -9,8 +9,8 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import grpo
-from common.logprobs import compute_logprobs
-from common.model import shard_model
+from common.train.logprobs import compute_logprobs
+from common.train.model import shard_model
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 

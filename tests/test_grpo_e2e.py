@@ -44,7 +44,7 @@ def test_two_rank_run_completes_and_checkpoint_reloads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert (checkpoint / "tokenizer.json").exists() or (checkpoint / "tokenizer_config.json").exists()
     # The saved weights are the trained ones, not the initialisation the same seed would give.
-    from common.model import load_model, load_tokenizer
+    from common.train.model import load_model, load_tokenizer
     initial = load_model(None, load_tokenizer(None), seed=1)
     changed = [not torch.equal(p, initial.state_dict()[n]) for n, p in model.state_dict().items() if n in initial.state_dict()]
     assert any(changed)
@@ -148,9 +148,9 @@ def test_export_loads_back_as_it_trained(builtin_sync_run):
     as accurate as the run's own last evaluation (same prompts, same model, a plain HF generate)."""
     from transformers import AutoTokenizer
 
-    from common.data import load_train_eval
-    from common.model import load_tokenizer
-    from common.rewards import load_reward_fn
+    from common.data.prompts import load_train_eval
+    from common.rollout.rewards import load_reward_fn
+    from common.train.model import load_tokenizer
 
     _, run = builtin_sync_run
     export = run / "hf_step_200"
@@ -286,7 +286,7 @@ def processes_with(marker: str) -> list[int]:
 def test_ctrl_c_saves_and_one_run_per_directory(tmp_path):
     """Ctrl-C (SIGINT to torchrun, which passes it on) finishes the step, saves and exits; the same command then
     continues the same W&B run. While the first run lives, a second one in its directory is refused at once."""
-    from common.resume import latest_checkpoint, read_trainer_state
+    from common.run.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
     marker = f"NANORL_TEST_{os.getpid()}_ctrl_c"
     proc = launch(["--steps", "500", "--save-state-every", "0", "--eval-every", "0", "--track", "--output-dir", str(out)],
@@ -316,7 +316,7 @@ STUCK_REWARD = ("import itertools\ndef reward(prompt, completion, answer):\n    
 
 
 def stuck_reward(tmp_path) -> str:
-    from common.data import PromptSampler, load_train_eval
+    from common.data.prompts import PromptSampler, load_train_eval
     train, _ = load_train_eval(None, "prompt", "answer")
     first = PromptSampler(train, 4, 0, 2, seed=1).next_batch()[0]["prompt"]  # rank 0's first prompt (seed 1)
     (tmp_path / "stuck.py").write_text(f"STUCK_PROMPT = {first!r}\n" + STUCK_REWARD)

@@ -1,11 +1,11 @@
-"""The health line before the first step (common/health.py): what it measures and when it warns."""
+"""The health line before the first step (common/run/health.py): what it measures and when it warns."""
 
 import os
 
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
-from common.health import health_report, state_bytes
+from common.run.health import health_report, state_bytes
 
 
 def health_worker(rank: int, port: int, out: str):

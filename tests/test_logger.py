@@ -1,10 +1,10 @@
-"""common/logger.py: every step's rows exactly once in metrics.jsonl and in W&B, whatever the run went through."""
+"""common/run/logger.py: every step's rows exactly once in metrics.jsonl and in W&B, whatever the run went through."""
 
 import json
 
 import pytest
 
-from common.logger import Logger, keep_rows_through
+from common.run.logger import Logger, keep_rows_through
 
 
 def steps_in(path) -> list[int]:
@@ -48,7 +48,7 @@ def test_a_resumed_logger_sends_wandb_only_what_it_lacks(tmp_path, monkeypatch, 
     assert steps_in(path) == list(range(9)) and run.sent == sent
 
 
-LOG_THREE_STEPS = ("import sys\nsys.path.insert(0, {root!r})\nfrom common.logger import Logger\n"
+LOG_THREE_STEPS = ("import sys\nsys.path.insert(0, {root!r})\nfrom common.run.logger import Logger\n"
                    "logger = Logger(0, 3, False, 'p', 'run_x', {{}}, {out!r})\n"
                    "for step in (1, 2, 3):\n    logger.log(step, {{'reward/mean': 0.5, 'time/update': 0.25}})\n"
                    "logger.close()\n")

@@ -1,4 +1,4 @@
-"""Log-probs on packed rows (common/logprobs.py): packed == padded, no attention across sequences, and the chunked LM
+"""Log-probs on packed rows (common/train/logprobs.py): packed == padded, no attention across sequences, and the chunked LM
 head == the full one, in values and gradients; on GPU, the varlen attention == padded, and in fp32 == exact attention
 per sequence, in values and gradients."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.batching import pack_sequences, plan_micro_batches, restore_order
-from common.logprobs import chunked_token_logprobs, packed_token_logprobs, use_packed_attention
-from common.model import token_logprobs
+from common.train.batching import pack_sequences, plan_micro_batches, restore_order
+from common.train.logprobs import chunked_token_logprobs, packed_token_logprobs, use_packed_attention
+from common.train.model import token_logprobs
 from test_batching import random_seqs, tiny_model
 
 
@@ -89,7 +89,7 @@ def test_chunked_logprobs_match_full_logits(temperature, chunk, fused):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("attn", ["nanorl_varlen", "flex_attention"])
 def test_packed_attention_on_gpu_matches_padded(attn):
-    from common.logprobs import use_packed_attention
+    from common.train.logprobs import use_packed_attention
 
     device = torch.device("cuda")
     seqs = random_seqs(12, seed=11) + [list(range(3, 40)) * 8]  # one long sequence among short ones
@@ -123,7 +123,7 @@ def test_packed_attention_on_gpu_matches_padded(attn):
 def test_fp32_packed_attention_on_gpu_matches_exact_attention_per_sequence(compiled):
     """fp32 goes through the memory-efficient kernel on the whole packed row (with grouped-query heads): against
     causal softmax attention computed per sequence in float64, forward and backward."""
-    from common.logprobs import varlen_attention_forward
+    from common.train.logprobs import varlen_attention_forward
 
     device, g = torch.device("cuda"), torch.Generator().manual_seed(0)
     lengths, heads, kv_heads, head_dim, scale = [37, 5, 130, 64, 1, 77], 6, 2, 64, 0.11

@@ -1,4 +1,4 @@
-"""LoRA (common/lora.py, sharding/lora.py): the adapters start at the base model, the reference with adapters off is
+"""LoRA (common/train/lora.py, sharding/lora.py): the adapters start at the base model, the reference with adapters off is
 the base after training too, 1 rank == 2 ranks, the merged weights vLLM gets are the adapted model, exports load
 through peft (and merged through transformers) with the trained model's log-probs, states hold the adapters alone and
 resume exactly, and bad flags are one line."""
@@ -16,9 +16,9 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config, Qwen2ForCausalLM
 
 import grpo
-from common.logprobs import compute_logprobs
-from common.lora import adapters_off, add_lora, check_lora_args, flop_weighted_params, linear_layer_names
-from common.model import shard_model
+from common.train.logprobs import compute_logprobs
+from common.train.lora import adapters_off, add_lora, check_lora_args, flop_weighted_params, linear_layer_names
+from common.train.model import shard_model
 from test_grpo import fixed_batch
 from test_grpo_e2e import HASH_REWARD, assert_one_line_error, metric_rows, torchrun
 
@@ -198,8 +198,8 @@ def merged_and_exported(rank: int, port: int, out: str):
     log-probs (values) of each, and of the live models, on the same samples."""
     from peft import PeftModel
 
-    from common.synthetic import build_tiny_tokenizer
-    from common.value_models import compute_values
+    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.value_models import compute_values
     from sharding.checkpoint import save_hf_checkpoint
     from sharding.vllm_sync import trainer_weights, weight_shapes
 

@@ -1,4 +1,4 @@
-"""common/model.py: a --model that cannot be a model is one clear line, before transformers guesses at it; and the
+"""common/train/model.py: a --model that cannot be a model is one clear line, before transformers guesses at it; and the
 HF export's check that its tokenizer loads back as the scripts load a --model (sharding/checkpoint.py)."""
 
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 from gloo import finish_gloo, free_port, init_gloo
 
-from common.model import check_model_source
+from common.train.model import check_model_source
 
 
 def test_model_sources(tmp_path):
@@ -37,7 +37,7 @@ def test_a_word_level_tokenizer_loads_back_as_saved(tmp_path):
     AutoTokenizer alone rebuilds it as Qwen2's BPE, which splits "w100" into digits."""
     from transformers import Qwen2Config
 
-    from common.model import load_tokenizer
+    from common.train.model import load_tokenizer
     from scripts.random_model import full_vocab_tokenizer
 
     Qwen2Config(vocab_size=1000).save_pretrained(tmp_path)
@@ -112,7 +112,7 @@ def test_an_export_whose_tokenizer_does_not_read_back_stops_every_rank(tmp_path)
 def test_precision_auto_picks_fp32_below_0_3b_parameters(tmp_path):
     from transformers import Qwen2Config
 
-    from common.model import pick_precision
+    from common.train.model import pick_precision
 
     def shape(name, hidden, layers, vocab):  # pick_precision counts parameters on the meta device: no weights read
         path = tmp_path / name
@@ -137,9 +137,9 @@ def hsdp_run(rank: int, world: int, shard_size, port: int, out: str, load_from: 
     full steps) on `world` ranks, models sharded within groups of `shard_size`; the weights, and a training state of
     them. With load_from: that state loaded instead, and the weights and momenta as loaded."""
     import grpo
-    from common.model import init_sharding, shard_model
-    from common.logprobs import compute_logprobs
-    from common.resume import load_training_state, save_training_state
+    from common.run.resume import load_training_state, save_training_state
+    from common.train.logprobs import compute_logprobs
+    from common.train.model import init_sharding, shard_model
     from test_grpo import fixed_batch, tiny_model
 
     init_gloo(rank, world, port)

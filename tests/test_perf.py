@@ -1,9 +1,9 @@
-"""Performance metrics (common/perf.py) by hand."""
+"""Performance metrics (common/run/perf.py) by hand."""
 
 import pytest
 import torch
 
-from common.perf import TrainingMemoryPeak, mfu
+from common.run.perf import TrainingMemoryPeak, mfu
 
 
 def test_training_memory_peak_by_hand(monkeypatch):

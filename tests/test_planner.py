@@ -1,4 +1,4 @@
-"""common/planner.py and scripts/plan.py: the memory and time arithmetic on a case computed by hand, the flags it
+"""common/run/planner.py and scripts/plan.py: the memory and time arithmetic on a case computed by hand, the flags it
 proposes for a configuration that does not fit, the scripts' flags as its inputs, the committed validation table
 (predicted against measured) as the fit gives it, and a stage that runs out of memory as one line."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import grpo
-from common.planner import HEADROOM, Setup, Shape, fixes, fits, memory, setup_of_run, step_time
+from common.run.planner import HEADROOM, Setup, Shape, fixes, fits, memory, setup_of_run, step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMPLE = {"act_h": 10.0, "act_i": 4.0, "compile_act_share": 0.5, "ckpt_h": 2.0, "logit_copies": 2.0,

@@ -1,5 +1,5 @@
 """PPO math against hand-computed values (with the split-invariant means and statistics ppo.py takes from
-common/batching.py), and the global statistics on 2 gloo ranks == 1 rank."""
+common/train/batching.py), and the global statistics on 2 gloo ranks == 1 rank."""
 
 import math
 import os
@@ -207,9 +207,9 @@ def test_global_statistics_two_ranks_match_one(tmp_path):
 
 def tiny_models(seed: int = 0):
     """The built-in tiny policy and its critic (the same body, a value head), unsharded."""
-    from common.model import load_model
-    from common.synthetic import build_tiny_tokenizer
-    from common.value_models import load_critic
+    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.model import load_model
+    from common.train.value_models import load_critic
     tokenizer = build_tiny_tokenizer()
     return load_model(None, tokenizer, seed), load_critic(None, None, tokenizer, seed), tokenizer
 
@@ -246,9 +246,9 @@ def test_scores_sit_on_the_last_token_and_cut_responses_pay_the_penalty():
 def pieces_worker(rank: int, world: int, port: int, out_dir: str):
     """On `world` gloo ranks: the same 8 samples (dealt out by rank), one PPO update of critic and policy; the
     separation of the two models; the reward model against a hand-run forward; the critic warmup."""
-    from common.model import shard_model
-    from common.value_models import compute_values, reward_model_scores
-    from common.logprobs import compute_logprobs
+    from common.train.logprobs import compute_logprobs
+    from common.train.model import shard_model
+    from common.train.value_models import compute_values, reward_model_scores
     init_gloo(rank, world, port)
     cpu = torch.device("cpu")
     args = ppo.Args(max_response_len=4, kl_coef=0.0, critic_lr=1e-2, lr=1e-2, max_tokens_per_micro_batch=16)
@@ -336,7 +336,7 @@ def test_critic_warmup_stops_on_its_threshold(pieces):
 def test_bad_critic_and_reward_models_are_one_line(tmp_path):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from common.value_models import load_critic, load_reward_model
+    from common.train.value_models import load_critic, load_reward_model
     policy, _, tokenizer = tiny_models()
     config = policy.config
     other_vocab = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": config.vocab_size + 8}))
@@ -359,7 +359,7 @@ def test_a_new_value_head_starts_at_zero_and_a_reward_models_is_kept(tmp_path):
     a sequence-classification reward model's score head becomes the value head as it is."""
     from transformers import AutoModelForSequenceClassification
 
-    from common.value_models import load_critic
+    from common.train.value_models import load_critic
     policy, critic, tokenizer = tiny_models()
     assert torch.count_nonzero(critic.score.weight) == 0 and torch.count_nonzero(critic.score.bias) == 0
     torch.manual_seed(0)

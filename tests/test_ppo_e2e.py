@@ -58,7 +58,7 @@ def test_split_placement_with_async_rollouts(tmp_path):
 
 
 def test_a_reward_model_that_is_not_a_classifier_is_one_line(tmp_path):
-    from common.model import load_model, load_tokenizer
+    from common.train.model import load_model, load_tokenizer
     tokenizer = load_tokenizer(None)
     load_model(None, tokenizer, 0).save_pretrained(tmp_path / "lm")
     tokenizer.save_pretrained(tmp_path / "lm")

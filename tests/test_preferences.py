@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 import dpo
-from common.preferences import load_pairs, load_preference_rows, tokenize_pairs
+from common.data.preferences import load_pairs, load_preference_rows, tokenize_pairs
 
 HH_RLHF = "/work/shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
 

@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from random_data import HH_LENGTHS, pair_rows, prompt_rows  # noqa: E402
 from random_model import full_vocab_tokenizer, save_random_model  # noqa: E402
 
-from common.data import load_train_eval, tokenize_prompts
-from common.model import load_tokenizer, stop_token_ids
-from common.preferences import load_pairs, tokenize_pairs
+from common.data.preferences import load_pairs, tokenize_pairs
+from common.data.prompts import load_train_eval, tokenize_prompts
+from common.train.model import load_tokenizer, stop_token_ids
 
 HH_MEANS = {"prompt": 125.3, "chosen": 40.8, "rejected": 51.0}  # measured, in the module docstring
 

@@ -1,5 +1,5 @@
 """Restarted without a human: `torchrun --max-restarts N` starts every worker again when one dies, and the run
-continues from its newest state (common/distributed.py's per-attempt store, --resume auto); a failure that repeats
+continues from its newest state (common/run/distributed.py's per-attempt store, --resume auto); a failure that repeats
 at the same step is shown once. Through torchrun itself, on CPU."""
 
 import json

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from common.data import PromptSampler
-from common.model import shard_model
-from common.optim import BadStepCounter, is_bad_number, set_hyperparameters
-from common.resume import (checkpoint_damage, latest_checkpoint, load_training_state, newest_intact_checkpoint,
+from common.data.prompts import PromptSampler
+from common.run.resume import (checkpoint_damage, latest_checkpoint, load_training_state, newest_intact_checkpoint,
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
+from common.train.model import shard_model
+from common.train.optim import BadStepCounter, is_bad_number, set_hyperparameters
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
@@ -278,9 +278,9 @@ TRAIN_STUB = """
 import os, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from common.distributed import finish_distributed
-from common.resume import load_training_state, resolve_resume, save_training_state
-from common.signals import install_stop_handlers, stop_agreed, stop_requested
+from common.run.distributed import finish_distributed
+from common.run.resume import load_training_state, resolve_resume, save_training_state
+from common.run.signals import install_stop_handlers, stop_agreed, stop_requested
 
 output_dir, max_steps = sys.argv[1], int(sys.argv[2])
 install_stop_handlers()

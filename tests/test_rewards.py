@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from common.rewards import (RewardError, RewardScorer, checked_reward, gsm8k_reward, last_boxed, load_reward_fn,
+from common.rollout.rewards import (RewardError, RewardScorer, checked_reward, gsm8k_reward, last_boxed, load_reward_fn,
                             math_reward)
 
 GSM8K_ANSWER = (
@@ -256,7 +256,7 @@ def test_a_stop_signal_does_not_wait_for_a_stuck_reward(scorer_reward):
     """After SIGTERM or Ctrl-C, a call still running stop_grace_s later is stopped and scores 0 like a time-out
     (counted), the calls queued behind it run as usual, and each later call gets the same grace from its start:
     the step completes and can be saved."""
-    from common import signals
+    from common.run import signals
 
     scorer = RewardScorer(scorer_reward, timeout_s=None, workers=1, stop_grace_s=2.0)
     try:
@@ -287,7 +287,7 @@ def test_reward_processes_exit_with_their_rank(scorer_reward):
     one stuck in a C call; SIGTERM, which Slurm sends to every process of a job, does not stop them while their
     rank lives."""
     script = (f"import os, signal, sys, time\nsys.path.insert(0, {os.getcwd()!r})\n"
-              "from common.rewards import RewardScorer\n"
+              "from common.rollout.rewards import RewardScorer\n"
               f"scorer = RewardScorer({scorer_reward!r}, workers=2)\n"
               "for key in range(2):\n    scorer.submit(key, ['p'], ['yes'], ['yes'])\n"
               "scorer.collect()\npids = [w.process.pid for w in scorer.workers]\n"
@@ -341,8 +341,8 @@ def test_a_reward_that_does_not_fit_the_data_stops_the_run():
 
     import torch.distributed as dist
 
-    from common import distributed
-    from common.rollouts import check_reward_fits
+    from common.rollout.rollouts import check_reward_fits
+    from common.run import distributed
     distributed.use_store(dist.HashStore(), 0)
     try:
         rows = [{"prompt": f"q{i}", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(10)]

@@ -1,4 +1,4 @@
-"""common/rollouts.py: when the colocated engine takes the policy's weights.
+"""common/rollout/rollouts.py: when the colocated engine takes the policy's weights.
 
 The placements end to end (colocated, split, async, resume) are tested through the scripts (test_grpo_e2e.py,
 test_split.py, test_resume.py); here, the rule that a GPU run depends on and a CPU run (HF engine) never exercises:
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.logger import StageTimer
-from common.rollouts import Rollouts, sequences_at_once, wants_rollout_logprobs
+from common.rollout.rollouts import Rollouts, sequences_at_once, wants_rollout_logprobs
+from common.run.logger import StageTimer
 
 
 class CountingEngine:

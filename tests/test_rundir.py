@@ -1,4 +1,4 @@
-"""Run directories (common/rundir.py): names from the defining flags, one live run per directory, refusing to mix
+"""Run directories (common/run/rundir.py): names from the defining flags, one live run per directory, refusing to mix
 runs, and the flags a resume may and may not change."""
 
 import dataclasses
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from common import distributed
-from common.rundir import clear_run, compare_flags, default_run_name, describe_run, open_run_dir
+from common.run import distributed
+from common.run.rundir import clear_run, compare_flags, default_run_name, describe_run, open_run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIVEN = {"dataset": None, "seed": 1, "lr": None, "group_size": 16, "steps": 200, "eval_every": 25, "run_name": None,
@@ -117,8 +117,8 @@ def test_a_live_run_holds_its_directory(tmp_path):
     SIGKILLed: the kernel drops its lock), the directory is free again."""
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, torch.distributed as dist\nfrom common import distributed\n"
-         "from common.rundir import open_run_dir\ndistributed.use_store(dist.HashStore(), 0)\n"
+        [sys.executable, "-c", "import sys, time, torch.distributed as dist\nfrom common.run import distributed\n"
+         "from common.run.rundir import open_run_dir\ndistributed.use_store(dist.HashStore(), 0)\n"
          f"open_run_dir('grpo', {dict(GIVEN, output_dir=str(out))!r}, {{}}, ())\nprint('locked', flush=True)\n"
          "time.sleep(60)\n"], env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True)
     try:

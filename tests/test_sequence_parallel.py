@@ -1,4 +1,4 @@
-"""common/sequence_parallel.py: a packed row split over the ranks of a sequence-parallel group gives the log-probs,
+"""common/train/sequence_parallel.py: a packed row split over the ranks of a sequence-parallel group gives the log-probs,
 entropies, values, loss and gradients of the whole row on one rank (grouped-query attention, sequences of mixed
 lengths, a row whose length does not divide), and a GRPO update with N = 2 on 4 ranks (two data-parallel groups)
 equals the same update on 4 ranks without it."""
@@ -13,11 +13,11 @@ from gloo import finish_gloo, free_port, init_gloo
 from transformers import AutoModelForTokenClassification, Qwen2Config
 
 import grpo
-from common.distributed import sum_over_ranks
-from common.logprobs import compute_logprobs, packed_response_logprobs
-from common.model import init_sharding, shard_model
-from common.sequence_parallel import check_heads, init_sequence_parallel
-from common.value_models import packed_values
+from common.run.distributed import sum_over_ranks
+from common.train.logprobs import compute_logprobs, packed_response_logprobs
+from common.train.model import init_sharding, shard_model
+from common.train.sequence_parallel import check_heads, init_sequence_parallel
+from common.train.value_models import packed_values
 from test_grpo import fixed_batch, tiny_model
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Stop signals (common/signals.py): a signal on one rank stops every rank after the same step, a second one exits
+"""Stop signals (common/run/signals.py): a signal on one rank stops every rank after the same step, a second one exits
 at once after stopping child processes, a rank whose launcher died leaves, and test crash points fire exactly."""
 
 import json
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def agreement_worker(rank: int, world: int, port: int, out: str):
-    from common.signals import install_stop_handlers, stop_agreed, stop_requested
+    from common.run.signals import install_stop_handlers, stop_agreed, stop_requested
     init_gloo(rank, world, port)
     install_stop_handlers(announce=False)
     before = stop_agreed(torch.device("cpu"))
@@ -50,8 +50,8 @@ def test_second_signal_exits_at_once_after_stopping_children(tmp_path):
     marker = tmp_path / "hook_ran"
     proc = run_python(
         "import os, signal, time\n"
-        "from common import errors\n"
-        "from common.signals import install_stop_handlers, stop_requested\n"
+        "from common.run import errors\n"
+        "from common.run.signals import install_stop_handlers, stop_requested\n"
         f"errors.on_abort(lambda: open({str(marker)!r}, 'w').close())\n"
         "install_stop_handlers()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
@@ -71,7 +71,7 @@ def test_a_repeated_stop_signal_is_one_request():
     time limit's USR1 may follow: all one request to finish the step and save, never an exit without saving."""
     proc = run_python(
         "import os, signal\n"
-        "from common.signals import install_stop_handlers, stop_requested\n"
+        "from common.run.signals import install_stop_handlers, stop_requested\n"
         "install_stop_handlers()\n"
         "for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):\n"
         "    os.kill(os.getpid(), sig)\n"
@@ -83,7 +83,7 @@ def test_a_repeated_stop_signal_is_one_request():
 
 def test_a_rank_whose_launcher_died_leaves(tmp_path):
     """torchrun killed with SIGKILL cannot pass anything on: its ranks notice their parent is gone and exit."""
-    child_code = ("import time\nfrom common.signals import install_stop_handlers\ninstall_stop_handlers()\n"
+    child_code = ("import time\nfrom common.run.signals import install_stop_handlers\ninstall_stop_handlers()\n"
                   "print('ready', flush=True)\ntime.sleep(60)\n")
     parent = run_python(
         "import subprocess, sys, time\n"
@@ -105,7 +105,7 @@ def test_a_rank_whose_launcher_died_leaves(tmp_path):
 
 
 def test_crash_point_kills_only_at_its_step():
-    code = ("from common.signals import crash_point\n"
+    code = ("from common.run.signals import crash_point\n"
             "for step in range(1, 5):\n    crash_point('after_row', step)\n    print(step, flush=True)\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "NANORL_TEST_CRASH": "after_row:3"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""Split placement and async rollouts (common/split.py, grpo.py --rollout-ranks / --async-rollout): the version
+"""Split placement and async rollouts (common/rollout/split.py, grpo.py --rollout-ranks / --async-rollout): the version
 schedule and the correction math by hand, the link's messages and weight buckets between real processes, and
 grpo.py end to end with trainer and rollout ranks."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.rollouts import mismatch_metrics
-from common.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object, recv_weights,
-                          send_object, staleness_metrics, weight_versions)
+from common.rollout.rollouts import mismatch_metrics
+from common.rollout.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object,
+                                  recv_weights, send_object, staleness_metrics, weight_versions)
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 from test_grpo_e2e import launch, torchrun, wait_for
@@ -108,7 +108,7 @@ def test_colocated_sync_streams_the_same_buckets():
 
 def _link_worker(rank: int, port: int, out_dir: str):
     """Link rank 0 is the trainer, 1 and 2 rollout ranks: objects flow in, weights flow out in buckets."""
-    from common.split import Placement, recv_header, send_header, send_weights
+    from common.rollout.split import Placement, recv_header, send_header, send_weights
     init_gloo(rank, 3, port)
     link, weights = dist.new_group([0, 1, 2], backend="gloo"), dist.new_group([0, 1, 2], backend="gloo")
     placement = Placement("train" if rank == 0 else "rollout", rank, 3, 1, 2, link, weights)
@@ -245,7 +245,7 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
     assert "resumed from" in result.stdout + result.stderr
 
 
-# Where a stop signal arrives (NANORL_TEST_SIGNAL, common.signals.signal_point): the stage a process enters at a
+# Where a stop signal arrives (NANORL_TEST_SIGNAL, common.run.signals.signal_point): the stage a process enters at a
 # step, and whether every process of the launch gets SIGTERM (as under Slurm) or only the one that got there; then
 # the flags that differ from an async run of 6 steps with one rollout rank.
 STOP_MOMENTS = {
@@ -268,7 +268,7 @@ def test_a_stop_signal_in_split_placement_loses_no_update(tmp_path, moment):
     """SIGTERM at any moment of an async split run: every rank finishes what it is doing, the trainers save the state
     of the last update they completed (the newest row of metrics.jsonl) and every process exits 0; the same command
     then continues from that state to the end, with every step's row exactly once."""
-    from common.resume import latest_checkpoint, read_trainer_state
+    from common.run.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
     point, flags = STOP_MOMENTS[moment]
     command = ["--rollout-ranks", "1", "--async-rollout", "--steps", "6", "--save-state-every", "2", "--eval-every",
@@ -299,14 +299,14 @@ def test_ppo_and_online_dpo_stop_the_same_way_in_split_placement(tmp_path, scrip
     assert result.returncode == 0, failure(result)
     stopped = int(re.search(r"saved the training state at step (\d+)", result.stdout + result.stderr).group(1))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "policy/lr" in r] == [*range(1, stopped + 1)]
-    from common.resume import latest_checkpoint, read_trainer_state
+    from common.run.resume import latest_checkpoint, read_trainer_state
     assert 2 <= stopped < 5 and read_trainer_state(latest_checkpoint(str(out)))["step"] == stopped
 
 
 @pytest.mark.faults
 def test_sigterm_through_torchrun_in_split_placement(tmp_path):
     """torchrun passes SIGTERM to every rank, at a moment of its own: the run stops at a saved step and resumes."""
-    from common.resume import latest_checkpoint, read_trainer_state
+    from common.run.resume import latest_checkpoint, read_trainer_state
     out = tmp_path / "run"
     args = ["--rollout-ranks", "1", "--async-rollout", "--save-state-every", "0", "--eval-every", "0",
             "--eval-size", "32", "--output-dir", str(out), "--reward-workers", "1"]  # scored in a reward process

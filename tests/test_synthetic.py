@@ -3,14 +3,8 @@ import collections
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.synthetic import (
-    NUM_VALUES,
-    NUMBERS_PER_PROMPT,
-    build_tiny_tokenizer,
-    make_synthetic_rows,
-    synthetic_reward,
-    tiny_model_config,
-)
+from common.data.synthetic import (NUM_VALUES, NUMBERS_PER_PROMPT, build_tiny_tokenizer, make_synthetic_rows,
+                                   synthetic_reward, tiny_model_config)
 
 
 def prompt_numbers(prompt):

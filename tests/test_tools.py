@@ -1,4 +1,4 @@
-"""common/tools.py: the calculator is exact and never evaluates code; the python tool's sandbox really isolates (no
+"""common/rollout/tools.py: the calculator is exact and never evaluates code; the python tool's sandbox really isolates (no
 network, limits, an empty environment, a private directory removed afterwards); tool files load with their schemas."""
 
 import os
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from common.tools import calculator, check_sandbox, load_tools, python, run_sandboxed, tool_schema
+from common.rollout.tools import calculator, check_sandbox, load_tools, python, run_sandboxed, tool_schema
 
 
 def test_calculator_is_exact():

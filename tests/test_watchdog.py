@@ -1,4 +1,4 @@
-"""A hang ends (common/watchdog.py): a rank stuck where the others cannot follow, and the run stops by itself with
+"""A hang ends (common/run/watchdog.py): a rank stuck where the others cannot follow, and the run stops by itself with
 every rank's Python stack on disk and one line that says where each rank is."""
 
 import re

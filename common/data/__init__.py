@@ -1,0 +1,1 @@
+"""Prompts, preference pairs and unpaired rows, and the built-in task."""

@@ -1,0 +1,359 @@
+"""Prompt datasets for RL: load (prompt, reference answer) rows, tokenize them, and deal them out to ranks.
+
+RL post-training reads only prompts and the answers the reward checks against; the model writes the rest.
+Rows come from the built-in synthetic task, a local .jsonl/.json/.parquet/.csv file (.jsonl.gz and the like too),
+a local directory (split files such as train.jsonl and test.jsonl, a hub snapshot's shards, or a `save_to_disk`
+directory: how data reaches compute nodes without internet), or a Hugging Face hub dataset. A file is one table; a
+directory or hub dataset has named splits. The held-out set is the dataset's eval split, another dataset's (a
+benchmark's own test set), or a seeded hold-out of the training rows. A prompt is a string or a conversation (a list
+of {"role", "content"} messages, as many hub datasets hold it), which the tokenizer's chat template renders.
+`PromptSampler` gives every data-parallel rank its slice of the same seeded global batch, so a run on 1 rank
+and on N ranks sees the same prompts, and a resumed run continues with exactly the batches it would have seen.
+"""
+
+import os
+
+import torch
+
+LOCAL_FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets reads json and csv files compressed with these
+DEFAULT_EVAL_SIZE = 256
+
+
+def _first_line(error: Exception) -> str:
+    """Library errors can run to pages; one line of them is enough to say what went wrong."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _file_format(path: str) -> str | None:
+    """The `datasets` loader for a local file ("json", "parquet", "csv"), by its extension, or None."""
+    stem, extension = os.path.splitext(path)
+    if extension in COMPRESSIONS:
+        stem, extension = os.path.splitext(stem)
+        return None if extension == ".parquet" else LOCAL_FILE_LOADERS.get(extension)
+    return LOCAL_FILE_LOADERS.get(extension)
+
+
+def _is_local_file(dataset: str) -> bool:
+    return _file_format(dataset) is not None
+
+
+def _read_local_file(path: str):
+    import datasets  # imported here: the built-in task needs none of it
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"dataset file is empty: {path}")
+    loader = _file_format(path)
+    try:
+        return datasets.load_dataset(loader, data_files=path, split="train")
+    except Exception as error:
+        raise ValueError(f"could not read {path} (empty or malformed?): {_first_line(error)}") from error
+
+
+def _read_hub(dataset: str, config: str | None):
+    """A DatasetDict of every split of a hub dataset."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(dataset, config)
+    except Exception as error:
+        raise ValueError(
+            f"could not load hub dataset {dataset!r} (config={config!r}): the hub could not be reached or the "
+            f"dataset does not exist ({_first_line(error)}); a local .jsonl/.json/.parquet/.csv file or a directory "
+            f"of them works too"
+        ) from error
+
+
+def _is_saved_to_disk(path: str) -> bool:
+    """save_to_disk writes dataset_dict.json (a DatasetDict) or state.json beside dataset_info.json (a Dataset)."""
+    return os.path.isfile(os.path.join(path, "dataset_dict.json")) or all(
+        os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_info.json"))
+
+
+def _read_local_dir(path: str, config: str | None):
+    """A directory as `datasets` keeps them: save_to_disk's (load_from_disk: a Dataset or a DatasetDict), or data
+    files that load_dataset sorts into splits by their names (train.jsonl, test.jsonl; a hub snapshot's
+    data/train-00000-of-00001.parquet; the configurations a snapshot's README.md lists, `config` picking one)."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(path) if _is_saved_to_disk(path) else datasets.load_dataset(path, config)
+    except Exception as error:
+        configs = _config_names(path) if config is None else []
+        if len(configs) > 1:  # a snapshot of a hub dataset with several configurations, such as openai/gsm8k's
+            raise ValueError(f"{path} holds several configurations, {configs}: name one (--dataset-config, or "
+                             f"--eval-dataset-config for --eval-dataset)") from error
+        raise ValueError(f"could not read the directory {path} as a dataset (split files such as train.jsonl and "
+                         f"test.jsonl, a hub snapshot, or a save_to_disk directory): {_first_line(error)}") from error
+
+
+def _config_names(path: str) -> list[str]:
+    import datasets
+
+    try:
+        return datasets.get_dataset_config_names(path)
+    except Exception:  # noqa: BLE001 - only a hint for the error being raised
+        return []
+
+
+def read_dataset(dataset: str, config: str | None = None):
+    """A local file, or a directory save_to_disk wrote one Dataset to: one table (a `datasets.Dataset`). A local
+    directory of splits or a hub dataset: {split: table} (a `datasets.DatasetDict`, a dict)."""
+    if _is_local_file(dataset):
+        return _read_local_file(dataset)
+    if os.path.isdir(dataset):
+        return _read_local_dir(dataset, config)
+    if os.path.exists(dataset):
+        raise ValueError(f"dataset {dataset!r}: a local file must end in one of "
+                         f"{', '.join(LOCAL_FILE_LOADERS)} (optionally compressed: {', '.join(COMPRESSIONS)}); "
+                         f"a directory of such files works too")
+    if dataset.startswith((".", "/", "~")):  # a path, never a hub id: say it is missing, not that the hub is
+        raise FileNotFoundError(f"dataset not found: {dataset} (no such file or directory)")
+    return _read_hub(dataset, config)
+
+
+def dataset_split(tables, split: str, dataset: str) -> tuple:
+    """(table, its name for messages) of one split of read_dataset's result. A single table (a file) has no split
+    names: it is every split. A missing split is an error naming those the dataset has."""
+    if not isinstance(tables, dict):
+        return tables, dataset
+    if split not in tables:
+        raise ValueError(f"{dataset}: no split {split!r}; existing splits: {list(tables)}")
+    return tables[split], f"{dataset}[{split}]"
+
+
+def read_split(dataset: str, config: str | None, split: str) -> tuple:
+    """(table, its name for messages) of one split of a local file, a local directory or a hub dataset."""
+    return dataset_split(read_dataset(dataset, config), split, dataset)
+
+
+def train_eval_tables(dataset: str, config: str | None, eval_split: str, eval_dataset: str | None = None,
+                      eval_dataset_config: str | None = None, eval_dataset_split: str = "test",
+                      train_split: str = "train") -> tuple[tuple, tuple | None]:
+    """The training table and the held-out one, each as (table, name). With eval_dataset, the held-out table is
+    its eval_dataset_split (a file: all of it) and training takes the whole train split; without, it is the
+    dataset's eval_split, or None where there is none (a file, or no such split): the caller then holds rows of the
+    training table out."""
+    tables = read_dataset(dataset, config)
+    train = dataset_split(tables, train_split, dataset)
+    if eval_dataset is not None:
+        return train, read_split(eval_dataset, eval_dataset_config, eval_dataset_split)
+    if isinstance(tables, dict) and eval_split in tables:
+        return train, (tables[eval_split], f"{dataset}[{eval_split}]")
+    return train, None
+
+
+def check_eval_dataset(dataset: str | None, eval_dataset: str | None) -> None:
+    if dataset is None and eval_dataset is not None:
+        raise ValueError("--eval-dataset needs --dataset: the built-in task has its own held-out set")
+
+
+def check_table(table, columns: list[str], source: str) -> None:
+    """One line for a table that lacks a needed column (naming those it has) or has no rows."""
+    missing = [key for key in columns if key not in table.column_names]
+    if missing:
+        raise ValueError(f"{source}: missing column(s) {missing}; existing columns: {table.column_names}")
+    if len(table) == 0:
+        raise ValueError(f"{source}: dataset is empty (0 rows)")
+
+
+def _rows_from_table(table, source: str, prompt_key: str, answer_key: str) -> list[dict]:
+    check_table(table, [prompt_key, answer_key], source)
+    try:  # Arrow keeps the raw bytes: text is decoded only here
+        prompts, answers = list(table[prompt_key]), list(table[answer_key])
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{source}: the file is not valid UTF-8 text ({error}); save it as UTF-8") from error
+    rows = []
+    for index, (prompt, answer) in enumerate(zip(prompts, answers)):
+        where = f"{source}: row {index} column {prompt_key!r}"
+        messages = None
+        if isinstance(prompt, list):  # a conversation
+            messages = _check_messages(prompt, where)
+            prompt = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        elif not isinstance(prompt, str):
+            raise ValueError(f"{where}: prompt must be a string or a list of messages, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise ValueError(f"{where}: prompt is empty or whitespace-only")
+        # Numeric answers (GSM8K-style) are fine as text; lists, dicts and nulls have no single sensible string.
+        if not isinstance(answer, (str, int, float)):
+            raise ValueError(
+                f"{source}: row {index} column {answer_key!r}: answer must be a string or a number, "
+                f"got {type(answer).__name__}"
+            )
+        rows.append({"prompt": prompt, "answer": str(answer)} | ({"messages": messages} if messages else {}))
+    return rows
+
+
+def _check_messages(messages: list, where: str) -> list[dict]:
+    """A conversation as chat templates take it: {"role", "content"} dicts with a user turn among them."""
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError(f"{where}: a conversation must be a non-empty list of {{'role': ..., 'content': ...}} "
+                         f"messages")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError(f"{where}: the conversation has no 'user' message")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def load_rows(
+    dataset: str | None, split: str, prompt_key: str, answer_key: str, config: str | None = None
+) -> list[dict]:
+    """[{"prompt": str, "answer": str}, ...] of one split of the built-in synthetic task (dataset None), a local file,
+    a local directory or the hub. A local file has a single split, so `split` is ignored for it (load_train_eval
+    holds out eval rows instead)."""
+    if dataset is None:
+        from common.data.synthetic import make_synthetic_rows  # imported lazily: only the built-in task needs it
+
+        return make_synthetic_rows(split)
+    return _rows_from_table(*read_split(dataset, config, split), prompt_key, answer_key)
+
+
+def _hold_out(rows: list[dict], eval_size: int | None, seed: int, source: str) -> tuple[list[dict], list[dict]]:
+    """A seeded random eval_size rows for evaluation, the rest for training; eval_size None: 256, or a tenth of a
+    smaller file."""
+    if eval_size is None:
+        eval_size = max(1, min(DEFAULT_EVAL_SIZE, len(rows) // 10))
+    if eval_size >= len(rows):
+        raise ValueError(f"{source}: eval_size={eval_size} leaves none of its {len(rows)} rows for training")
+    permutation = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    split_at = len(rows) - eval_size
+    return [rows[i] for i in permutation[:split_at]], [rows[i] for i in permutation[split_at:]]
+
+
+def load_train_eval(
+    dataset: str | None,
+    prompt_key: str,
+    answer_key: str,
+    config: str | None = None,
+    train_split: str = "train",
+    eval_split: str = "test",
+    eval_size: int | None = None,
+    seed: int = 0,
+    eval_dataset: str | None = None,
+    eval_dataset_config: str | None = None,
+    eval_dataset_split: str = "test",
+) -> tuple[list[dict], list[dict]]:
+    """(train_rows, eval_rows): the first eval_size (None: 256) rows of the held-out table (train_eval_tables: an
+    --eval-dataset, or the dataset's eval split), or without one a seeded hold-out of eval_size rows (None: 256, or
+    a tenth of a training set of fewer than 2,560 rows), disjoint from the rest, which train."""
+    check_eval_dataset(dataset, eval_dataset)
+    if dataset is None:
+        from common.data.synthetic import make_synthetic_rows
+
+        return make_synthetic_rows("train"), make_synthetic_rows("test")[:eval_size or DEFAULT_EVAL_SIZE]
+    train, held_out = train_eval_tables(dataset, config, eval_split, eval_dataset, eval_dataset_config,
+                                        eval_dataset_split, train_split)
+    train_rows = _rows_from_table(*train, prompt_key, answer_key)
+    if held_out is None:
+        return _hold_out(train_rows, eval_size, seed, dataset)
+    eval_table, name = held_out
+    eval_table = eval_table.select(range(min(eval_size or DEFAULT_EVAL_SIZE, len(eval_table))))
+    return train_rows, _rows_from_table(eval_table, name, prompt_key, answer_key)
+
+
+def tokenize_prompts(
+    rows: list[dict], tokenizer, max_prompt_len: int, use_chat_template: bool | None = None,
+    template: str | None = None, system_prompt: str | None = None,
+) -> tuple[list[dict], int]:
+    """Returns (copies of rows with "prompt_ids" added, number dropped for being longer than max_prompt_len).
+
+    use_chat_template None means: use the tokenizer's chat template when it has one. template: a text holding
+    "{prompt}", which the prompt (a conversation's last user message) replaces before the chat template applies;
+    system_prompt: the conversation's system message (without a chat template: a paragraph before the prompt).
+    The rows' "prompt" stays as it was: it is what the reward function sees.
+    """
+    if not rows:
+        raise ValueError("no prompts to tokenize")
+    if template is not None and "{prompt}" not in template:
+        raise ValueError(f"--prompt-template must hold {{prompt}}, where each prompt goes: {template!r}")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if use_chat_template is None:
+        use_chat_template = has_template
+    if use_chat_template and not has_template:
+        name = tokenizer.name_or_path or type(tokenizer).__name__
+        raise ValueError(f"use_chat_template=True but tokenizer {name!r} has no chat_template")
+    if any("messages" in row for row in rows) and not use_chat_template:
+        raise ValueError("the prompts are conversations (lists of messages), which need the tokenizer's chat template"
+                         + ("" if has_template else f": {tokenizer.name_or_path or 'this tokenizer'} has none"))
+    conversations = [formatted_conversation(row, template, system_prompt) for row in rows]
+    if use_chat_template:
+        # transformers 5 returns a BatchEncoding by default; return_dict=False gives plain lists of ids.
+        all_ids = tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    else:  # one user message, maybe after a system message: plain text
+        texts = ["\n\n".join(m["content"] for m in conversation) for conversation in conversations]
+        all_ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    kept = [{**row, "prompt_ids": list(ids)} for row, ids in zip(rows, all_ids) if len(ids) <= max_prompt_len]
+    if not kept:
+        lengths = [len(ids) for ids in all_ids]
+        raise ValueError(
+            f"all {len(rows)} prompts are longer than max_prompt_len={max_prompt_len} tokens "
+            f"(shortest {min(lengths)}, longest {max(lengths)})"
+        )
+    return kept, len(rows) - len(kept)
+
+
+def formatted_conversation(row: dict, template: str | None, system_prompt: str | None) -> list[dict]:
+    """The row's prompt as messages: its conversation (or one user message), the last user message put into the
+    template, a system message first (replacing the conversation's own)."""
+    messages = [dict(m) for m in row.get("messages") or [{"role": "user", "content": row["prompt"]}]]
+    if template is not None:
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last_user]["content"] = template.replace("{prompt}", messages[last_user]["content"])
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [m for m in messages if m["role"] != "system"]
+    return messages
+
+
+class PromptSampler:
+    """Deterministic infinite stream of prompt batches for one data-parallel rank.
+
+    Each epoch is a permutation of all rows seeded with seed + epoch. Every rank computes the same permutation,
+    takes the next global batch (prompts_per_rank * world_size indices) and keeps its own contiguous slice.
+    """
+
+    def __init__(self, rows: list[dict], prompts_per_rank: int, rank: int, world_size: int, seed: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.rows = rows
+        self.prompts_per_rank = prompts_per_rank
+        self.rank = rank
+        self.global_batch_size = prompts_per_rank * world_size
+        if len(rows) < self.global_batch_size:
+            raise ValueError(
+                f"dataset has {len(rows)} rows, fewer than one global batch of {self.global_batch_size} "
+                f"({prompts_per_rank} prompts per rank x {world_size} ranks)"
+            )
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # index into this epoch's permutation where the next global batch starts
+        self._permutation = self._permutation_of(self.epoch)
+
+    def _permutation_of(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=generator).tolist()
+
+    def next_batch(self) -> list[dict]:
+        # The tail of an epoch that does not fill a whole global batch is dropped (those rows come back,
+        # reshuffled, in later epochs), so every global batch has the same size on every rank.
+        if self.position + self.global_batch_size > len(self.rows):
+            self.epoch += 1
+            self.position = 0
+            self._permutation = self._permutation_of(self.epoch)
+        global_batch = self._permutation[self.position : self.position + self.global_batch_size]
+        self.position += self.global_batch_size
+        start = self.rank * self.prompts_per_rank
+        return [self.rows[i] for i in global_batch[start : start + self.prompts_per_rank]]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict):
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(f"sampler state is for {state['num_rows']} rows but this dataset has {len(self.rows)}")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._permutation = self._permutation_of(self.epoch)

@@ -1,0 +1,1 @@
+"""Where samples come from: rollout engines, split placement, rewards, multi-turn episodes and tools."""

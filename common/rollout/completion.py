@@ -1,0 +1,15 @@
+"""What a rollout engine returns for one sampled response, whichever engine sampled it.
+
+A module of its own so that both engines (common/rollout/engines.py, common/rollout/vllm_engine.py) import it and neither imports
+the other for it: the engine factory in engines.py imports the vLLM engine, never the other way round.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Completion:
+    response_ids: list[int]
+    logprobs: list[float] | None  # log-prob of each sampled token under the sampling distribution (after
+    # temperature); None where generate was called with logprobs=False
+    finished: bool  # ended on a stop token (False: cut at max_tokens)

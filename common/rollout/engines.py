@@ -1,0 +1,173 @@
+"""Rollout engines: turn prompt token ids into sampled responses with their log-probs.
+
+Every engine has the same five methods, so the training loop never knows which one it drives:
+`generate` (token ids in, token ids and, if asked, sampled-token log-probs out; each prompt's group also goes to an
+optional `on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate),
+`run_turns` (multi-turn episodes: one turn per request, new requests arriving while others generate; see
+common/rollout/episodes.py),
+`update_weights` (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights`
+(verify the last sync).
+`HFRolloutEngine` samples with the trainer's own FSDP2 model through HF `generate`: slow, but it runs anywhere
+(CPU, laptop, tests). `VLLMRolloutEngine` (common/rollout/vllm_engine.py) is the real GPU path; it imports vllm only when
+one is built, so this module imports anywhere. Both return `Completion`s (common/rollout/completion.py).
+"""
+
+import contextlib
+import importlib.util
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common.rollout.completion import Completion
+from common.rollout.vllm_engine import VLLMRolloutEngine
+from common.run.distributed import max_over_ranks
+from common.run.errors import user_error
+
+
+@user_error
+class NonFiniteLogits(RuntimeError):
+    """The policy's next-token probabilities are inf or NaN: its weights are broken (by a learning rate far too
+    high, usually), and sampling cannot go on."""
+
+
+class HFRolloutEngine:
+    """Samples from the training model itself, so there are no weights to sync and nothing to sleep."""
+
+    def __init__(self, model, stop_token_ids: list[int], pad_token_id: int, rank: int = 0):
+        self.model, self.stop_token_ids, self.pad_token_id, self.rank = model, stop_token_ids, pad_token_id, rank
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
+                 seed: int, greedy: bool = False, on_finish=None, logprobs: bool = True) -> list[list[Completion]]:
+        device = next(self.model.parameters()).device
+        longest = max(len(p) for p in prompt_ids)
+        # Left-pad so that every prompt ends where generation starts.
+        input_ids = torch.full((len(prompt_ids), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompt_ids):
+            input_ids[i, longest - len(p):] = torch.tensor(p)
+            attention_mask[i, longest - len(p):] = 1
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        was_training, attention = self.model.training, self.model.config._attn_implementation
+        self.model.eval()
+        self.model.set_attn_implementation("sdpa")  # padded batches and a KV cache; training may use packed rows
+        # A private RNG stream per (seed, rank): sampling never disturbs the training RNG, and ranks differ.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), non_finite_logits_named():
+            torch.manual_seed(seed * 1000 + self.rank)
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                max_new_tokens=max_tokens, num_return_sequences=1 if greedy else n, eos_token_id=self.stop_token_ids,
+                pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True,
+                # FSDP2 all-gathers weights in every forward: ranks must run the same number of decode steps,
+                # so a rank whose sequences finished keeps stepping until every rank is done.
+                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1, **sampling)
+        self.model.train(was_training)
+        self.model.set_attn_implementation(attention)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's weights gathered after forwards with no backward
+            self.model.reshard()
+        new_tokens = out.sequences[:, longest:].cpu()  # [batch * n, steps]
+        token_logprobs = None
+        if logprobs:  # `scores` are the processed logits (temperature, top-p applied) the token was sampled from
+            scores = torch.stack(out.scores, dim=1).float()  # [batch * n, steps, vocab]
+            token_logprobs = F.log_softmax(scores, dim=-1).gather(
+                -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
+        completions = []
+        for row in range(new_tokens.shape[0]):
+            ids = new_tokens[row].tolist()
+            stop = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)
+            length = len(ids) if stop is None else stop + 1  # keep the stop token: the policy must learn to stop
+            completions.append(Completion(ids[:length], None if token_logprobs is None else
+                                          token_logprobs[row, :length].tolist(), stop is not None))
+        per_prompt = 1 if greedy else n
+        groups = [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
+        for i, group in enumerate(groups if on_finish else []):  # one batched generate: all finish together
+            on_finish(i, group)
+        return groups
+
+    def run_turns(self, runner, temperature: float, top_p: float, seed: int, greedy: bool = False,
+                  logprobs: bool = True, stop_token_ids: list[int] = (), ignore_eos: bool = False) -> None:
+        """Multi-turn episodes in lock-step rounds: every turn ready (waiting for the environments' answers to the
+        last round) is generated in one batch. Collective: FSDP's generate runs on every rank the same number of
+        times, so a rank whose episodes ended runs a one-token dummy until all are done. Round r is seeded with
+        seed + r: round 0 samples exactly what `generate` would for the same prompts. ignore_eos: every turn runs
+        to its length (benchmarks)."""
+        stops = self.stop_token_ids
+        self.stop_token_ids = [] if ignore_eos else list(dict.fromkeys([*stops, *stop_token_ids]))
+        try:
+            for round_ in itertools.count():
+                turns = runner.next_turns(block=True, every=True)
+                if not decided_by_any_rank(bool(turns), next(self.model.parameters()).device):
+                    return
+                prompts = [t.prompt_ids for t in turns] or [[self.pad_token_id]]
+                groups = self.generate(prompts, n=1, max_tokens=max([t.max_tokens for t in turns] or [1]),
+                                       temperature=temperature, top_p=top_p, seed=seed + round_, greedy=greedy,
+                                       logprobs=logprobs)
+                for turn, (completion,) in zip(turns, groups):
+                    runner.finish(turn.key, cut_to(completion, turn.max_tokens))
+        finally:
+            self.stop_token_ids = stops
+
+    def update_weights(self, model) -> dict[str, float]:
+        return {}  # generates with the trained model itself
+
+    def sleep(self) -> None:
+        pass
+
+    def check_weights(self, model) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def decided_by_any_rank(flag: bool, device) -> bool:
+    """Collective (where torch.distributed runs): whether `flag` holds on any rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    return bool(max_over_ranks(float(flag), device))
+
+
+def cut_to(completion: Completion, max_tokens: int) -> Completion:
+    """A completion generated in a batch with a larger max_tokens, as if it had been generated with max_tokens."""
+    if len(completion.response_ids) <= max_tokens:
+        return completion
+    return Completion(completion.response_ids[:max_tokens],
+                      None if completion.logprobs is None else completion.logprobs[:max_tokens], False)
+
+
+@contextlib.contextmanager
+def non_finite_logits_named():
+    """torch.multinomial's complaint about the probabilities it was given, as what it means for the run."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise NonFiniteLogits("sampling failed: the policy's next-token probabilities are inf or NaN, so its "
+                              "weights are broken") from None
+
+
+def resolve_engine_kind(kind: str) -> str:
+    """"auto" -> "vllm" when CUDA and vllm are there, else "hf"."""
+    if kind != "auto":
+        return kind
+    return "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
+                        tp_size: int, gpu_memory: float | None, max_model_len: int, seed: int, enforce_eager: bool,
+                        sync_bucket_mb: int, sleep_level: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                        max_sequences: int = 256, lora: dict | None = None):
+    """kind: "vllm", "hf" or "auto" (see resolve_engine_kind). vLLM's memory and sleep, and `lora` (adapters through
+    vLLM's LoRA layers): see VLLMRolloutEngine. The HF engine generates with the policy itself, adapters and all."""
+    kind = resolve_engine_kind(kind)
+    if kind == "hf":
+        return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
+    if kind == "vllm":
+        return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
+                                 max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
+                                 enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb,
+                                 sleep_level=sleep_level, dtype=dtype, max_sequences=max_sequences, lora=lora)
+    raise ValueError(f"--rollout-engine must be auto, hf or vllm, got {kind!r}")

@@ -1,0 +1,65 @@
+"""Performance metrics: model FLOPs utilisation and GPU memory, as logged every step on GPUs."""
+
+import torch
+
+from common.run.distributed import max_over_ranks
+
+
+# Dense bf16 tensor-core peak, FLOP/s, by device-name substring.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use on the GPU, as nvidia-smi counts them: every allocator and process (vLLM, CUDA contexts)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+class TrainingMemoryPeak:
+    """The GPU memory in use at the peak of a phase in which only PyTorch allocates (training: vLLM sleeps): what
+    was in use when the phase began plus the most PyTorch's caching allocator grew during it. PyTorch's own peak
+    counters alone mislead here, as they also count the memory of a sleeping vLLM engine, which is not mapped."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.start = device, memory_in_use(device)
+        self.reserved = torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def peak(self) -> int:
+        return self.start + torch.cuda.max_memory_reserved(self.device) - self.reserved
+
+
+def mfu(num_params: int, tokens: float, seconds: float, peak: float | None, num_gpus: int = 1) -> float | None:
+    """Model FLOPs utilisation: 6 x parameters x tokens (forward + backward matmuls, no attention) / time / peak.
+    tokens: processed by num_gpus GPUs together in `seconds`; peak: one GPU's bf16 FLOP/s (peak_flops)."""
+    if peak is None or seconds <= 0:
+        return None
+    return 6 * num_params * tokens / seconds / (peak * num_gpus)
+
+
+class StepPerf:
+    """A trainer's per-step performance figures: the update's MFU and, on GPUs, the step's peak memory on the
+    fullest GPU (generation included). `start()` at the start of the step's training phases, `metrics()` at its end."""
+
+    def __init__(self, num_params: int, device: torch.device, num_gpus: int):
+        self.num_params, self.device, self.num_gpus, self.peak = num_params, device, num_gpus, peak_flops(device)
+        self.memory = None
+
+    def start(self) -> None:
+        self.memory = TrainingMemoryPeak(self.device) if self.device.type == "cuda" else None
+
+    def metrics(self, trained_tokens: float, update_seconds: float, rollout_memory: int = 0) -> dict[str, float]:
+        """Collective on GPUs. trained_tokens: tokens the update's passes took over all ranks (times epochs)."""
+        out = {}
+        if (value := mfu(self.num_params, trained_tokens, update_seconds, self.peak, self.num_gpus)):
+            out["perf/mfu"] = value
+        if self.memory is not None:
+            out["perf/peak_memory_gb"] = max_over_ranks(max(rollout_memory, self.memory.peak()) / 1e9, self.device)
+        return out

@@ -1,0 +1,413 @@
+"""The capacity planner: what a configuration needs of each GPU and how long its step takes, before it runs, and which
+flags would make one that does not fit fit (scripts/plan.py prints it; the scripts use it at start-up and when a
+stage runs out of memory).
+
+Memory per GPU, by part (GB):
+  weights       trained parameters in fp32 (the master copy), frozen ones (a LoRA base) in the compute dtype, both
+                sharded over the shard group (every training rank, or --shard-size of them)
+  gradients     fp32, sharded like the weights, of the trained parameters only
+  optimizer     AdamW's two fp32 moments of the trained parameters
+  gathered      FSDP2's unsharded copies in the compute dtype while a pass runs: two decoder layers and the root
+                (embeddings, final norm, LM head)
+  activations   what the backward keeps of one micro-batch of this rank's tokens (a row's 1/N with sequence
+                parallelism): every layer's saved tensors, or with activation checkpointing each layer's input and
+                one layer's recomputed tensors
+  logits        the chunked LM head's fp32 [chunk, vocab] buffers
+  other models  PPO's critic (trained like the policy), a frozen reference (--kl-coef without LoRA) or reward model
+  vllm          the colocated engine: its weights (on the GPU while training only at sleep level 0), its KV cache and
+                workspace while it generates
+  overhead      the CUDA context and the allocator's slack
+The peak is that of the training phase or of the rollout phase, whichever is larger (the engine sleeps while the
+trainer runs; the trainer's weights and optimizer stay while the engine generates, unless --offload).
+
+Time per step, by stage (s): rollout (decoding: as many engine steps as the longest response has tokens, each reading
+the weights and the live KV cache at a fitted share of the memory bandwidth, plus a fixed cost per step), logprobs
+(forward passes: 2 FLOPs per parameter and token), update (6 FLOPs per trained parameter and token, 4 per frozen one,
+2 more with activation checkpointing, at an MFU that grows with the model's size), sync (the rollout weights at a
+fitted bandwidth). The coefficients in FIT were fitted to the committed GPU runs (scripts/plan.py --validate prints
+the comparison; benchmarks/README.md, Capacity planner).
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+GB = 1e9
+
+# Fitted to the committed GPU runs (scripts/plan.py --fit): see the module's docstring for what each scales.
+FIT = {
+    "act_h": 22.1,  # activation bytes (bf16) per token and layer per unit of hidden size (no checkpointing)
+    "act_i": 8.4,  # the same per unit of MLP size
+    "compile_act_share": 0.72,  # what compiled layers keep of that (fused kernels save fewer intermediates)
+    "ckpt_h": 2.0,  # with activation checkpointing: bytes per token and layer per unit of hidden size kept
+    "logit_copies": 1.22,  # fp32 [chunk, vocab] buffers alive at once in the chunked LM head
+    "overhead_gb": 3.15,  # CUDA context, NCCL and the allocator's slack on a training GPU
+    "vllm_overhead_gb": 6.0,  # vLLM's workspace, sampler and CUDA graphs beside its weights and KV cache
+    "mfu_at_1b": 0.354,  # training MFU of a 1B-parameter model (bf16, packed micro-batches)
+    "mfu_per_decade": 0.148,  # its change per factor 10 in parameters
+    "compile_gain": 1.39,  # MFU with torch.compile'd layers over eager
+    "fp32_share": 0.134,  # MFU in fp32 arithmetic over bf16
+    "layer_pass_s": 0.00638,  # fixed cost of one layer's forward and backward over one micro-batch (launches), eager
+    "compile_pass_share": 1.0,  # what compiled layers keep of that
+    "longest_over_mean": 3.2,  # the longest response of a step over the mean (decoding waits for it)
+    "decode_bw_share": 0.722,  # the share of the HBM bandwidth a decoding step reads weights and KV at
+    "decode_layer_s": 0.000132,  # fixed cost per decoder layer of one engine step with CUDA graphs
+    "decode_layer_eager_s": 0.000766,  # the same without them (--rollout-eager)
+    "prefill_mfu": 0.6,  # MFU of the prompts' prefill
+    "sync_gb_s": 100.0,  # weights streamed into the colocated engine, GB/s
+}
+
+HEADROOM = 0.9  # a configuration fits when its predicted peak is within this share of the GPU (the model's median
+# error is 7%, and a step's micro-batches differ)
+
+# Per GPU kind: dense bf16 FLOP/s, HBM bandwidth (bytes/s), memory (GB of 1e9 bytes, as torch.cuda.mem_get_info and
+# perf/peak_memory_gb count them).
+GPUS = {"H100": (989e12, 3.35e12, 85.0), "H200": (989e12, 4.8e12, 150.0), "A100": (312e12, 2.0e12, 85.0)}
+
+
+@dataclass
+class Shape:
+    """A decoder's sizes (a transformers config's names) and its parameter count."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    head_dim: int = 0
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden // self.heads
+
+    @classmethod
+    def from_config(cls, config) -> "Shape":
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, config.vocab_size,
+                   bool(getattr(config, "tie_word_embeddings", False)), getattr(config, "head_dim", None) or 0)
+
+    @property
+    def layer_params(self) -> int:
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # bf16 keys and values of every layer
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    def lora_params(self, rank: int) -> int:
+        """Adapters of rank r on every linear layer of attention and MLP: r x (in + out) each."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        pairs = [(self.hidden, q), (self.hidden, kv), (self.hidden, kv), (q, self.hidden),
+                 (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        return self.layers * rank * sum(a + b for a, b in pairs)
+
+
+@dataclass
+class Setup:
+    """A configuration: the machine, the lengths and batch, and the flags the memory and time depend on."""
+    gpus: int = 1
+    gpu: str = "H100"
+    gpu_memory_gb: float | None = None  # None: the kind's
+    prompt_len: float = 256  # mean tokens
+    response_len: float = 512  # mean tokens
+    max_response_len: int = 1024  # the longest response (what decoding waits for)
+    max_prompt_len: int = 256
+    samples: int = 256  # per step, over every GPU (prompts x group size)
+    max_tokens_per_micro_batch: int = 16384
+    precision: str = "bf16"
+    lora_rank: int = 0
+    offload: bool = False
+    activation_checkpointing: bool = False
+    sequence_parallel: int = 1
+    shard_size: int | None = None
+    rollout: bool = True  # a colocated engine generates (offline DPO: none)
+    rollout_tp: int = 1
+    rollout_eager: bool = False
+    sleep_level: int | None = None  # None: the scripts' default (0 when vLLM's weights take at most 15% of the GPU)
+    kv_cache_gb: float | None = None  # None: the scripts' default size
+    vllm_memory_gb: float | None = None  # --rollout-gpu-memory as a share of the GPU: vLLM's whole pool
+    compile: bool = False
+    trained_fraction: float = 1.0  # GRPO trains the groups with signal only: the share of samples that have it
+    trainer_cache_kept: bool = True  # the trainer's freed blocks stay cached while vLLM fits beside them (since
+    # 0fd545a, 2026-11-24; before, they were handed back before every wake-up)
+    critic: bool = False  # PPO
+    reference: bool = False  # a frozen reference model (kl_coef > 0 without LoRA, DPO without a cache)
+    pairs: bool = False  # DPO: each sample is a pair (two responses)
+    epochs: int = 1
+    old_logprobs_pass: bool = False  # GRPO with several optimizer steps a batch, PPO: a pass of its own
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def memory_gb(self) -> float:
+        return self.gpu_memory_gb or GPUS[self.gpu][2]
+
+
+def _dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def default_sleep_level(shape: Shape, setup: Setup) -> int:
+    """common/rollout/vllm_engine.py's default: 0 while vLLM's weights take at most 15% of the GPU, else 2."""
+    if setup.sleep_level is not None:
+        return setup.sleep_level
+    weights = shape.params * _dtype_bytes(setup.precision) / setup.rollout_tp
+    return 0 if weights <= 0.15 * setup.memory_gb * GB else 2
+
+
+def kv_cache_gb(shape: Shape, setup: Setup) -> float:
+    """The KV cache the scripts size by default (common/rollout/vllm_engine.py's kv_cache_gib): a replica's sequences at once,
+    each of --max-prompt-len + --max-response-len tokens, a tenth more, at most 40% of the GPU."""
+    if setup.kv_cache_gb is not None:
+        return setup.kv_cache_gb
+    sequences = setup.samples / setup.gpus * setup.rollout_tp
+    tokens = sequences * math.ceil((setup.max_prompt_len + setup.max_response_len) / 16) * 16
+    per_token = 2 * shape.layers * max(1, shape.kv_heads // setup.rollout_tp) * shape.head_dim * \
+        _dtype_bytes(setup.precision)
+    gib = min(max(0.5, 1.1 * tokens * per_token / 2**30), 0.4 * setup.memory_gb * GB / 2**30)
+    return gib * 2**30 / GB
+
+
+def memory(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
+    """Per-GPU memory by part, GB: {"training": {part: GB}, "rollout": {part: GB}, "peak": GB, "phase": name,
+    "allocated": the training phase's PyTorch tensors alone}. In the rollout phase the trainer's allocator keeps the
+    blocks the training phase freed when the engine fits beside them (common/rollout/vllm_engine.py's _make_room), else it
+    hands them back and only what stays resident remains."""
+    shard = setup.shard_size or setup.gpus
+    compute = _dtype_bytes(setup.precision)
+    trained = shape.lora_params(setup.lora_rank) if setup.lora_rank else shape.params
+    frozen = shape.params if setup.lora_rank else 0
+    models = 2 if setup.critic else 1  # PPO's critic: the policy's size, trained the same way
+    resident = {"weights": models * (4 * trained + compute * frozen) / shard / GB,
+                "optimizer": models * 8 * trained / shard / GB}
+    if setup.reference:
+        resident["other models"] = shape.params * compute / shard / GB
+    if setup.offload:  # outside their phases the other models and the optimizer wait in CPU memory
+        resident = {"weights": (4 * trained + compute * frozen) / shard / GB}
+    tokens = min(setup.max_tokens_per_micro_batch, _tokens_per_gpu(setup) * setup.trained_fraction) / \
+        setup.sequence_parallel
+    per_layer = (fit["act_h"] * shape.hidden + fit["act_i"] * shape.intermediate) * compute / 2 * \
+        (fit["compile_act_share"] if setup.compile else 1.0)  # bytes a token keeps in one layer
+    if setup.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
+        activations = tokens * (shape.layers * fit["ckpt_h"] * shape.hidden + per_layer)
+    else:
+        activations = tokens * shape.layers * per_layer
+    training = {**resident, "gradients": 4 * trained / shard / GB,
+                "optimizer": 8 * trained / shard / GB if setup.offload else resident["optimizer"],
+                "gathered": (2 * shape.layer_params + shape.root_params) * compute / GB,
+                "activations": activations / GB,
+                "logits": fit["logit_copies"] * min(2048, tokens) * shape.vocab * 4 / GB}
+    allocated = sum(training.values())
+    training["overhead"] = fit["overhead_gb"]
+    rollout = {}
+    if setup.rollout:
+        vllm = {"vllm weights": shape.params * compute / setup.rollout_tp / GB, "kv cache": kv_cache_gb(shape, setup),
+                "vllm workspace": fit["vllm_overhead_gb"]}
+        if setup.vllm_memory_gb:  # a share of the GPU: the pool holds weights, KV cache and workspace
+            vllm["vllm workspace"] = max(0.0, setup.vllm_memory_gb - vllm["vllm weights"] - vllm["kv cache"])
+        if default_sleep_level(shape, setup) == 0:
+            training["vllm weights"] = vllm["vllm weights"]
+        cached = sum(training.values()) - training.get("vllm weights", 0.0)
+        if setup.trainer_cache_kept and cached + sum(vllm.values()) + 1.07 <= setup.memory_gb:
+            rollout = {"trainer (cached)": cached, **vllm}
+        else:
+            rollout = {**resident, "overhead": fit["overhead_gb"], **vllm}
+    peaks = {"training": sum(training.values()), "rollout": sum(rollout.values())}
+    phase = max(peaks, key=peaks.get)
+    return {"training": training, "rollout": rollout, "peak": peaks[phase], "phase": phase, "allocated": allocated}
+
+
+def _tokens_per_gpu(setup: Setup) -> float:
+    """The step's training tokens on one GPU (prompt + response of every sample, pairs counting both responses)."""
+    per_sample = setup.prompt_len + setup.response_len * (2 if setup.pairs else 1)
+    return setup.samples * per_sample / setup.gpus * setup.sequence_parallel
+
+
+def mfu(shape: Shape, setup: Setup, fit: dict = FIT) -> float:
+    """The training MFU the fit expects of a model this size (bf16 over packed micro-batches; compiled layers gain a
+    fitted factor; fp32 arithmetic runs at a fitted fraction of bf16's)."""
+    value = fit["mfu_at_1b"] + fit["mfu_per_decade"] * math.log10(shape.params / 1e9)
+    value *= (fit["compile_gain"] if setup.compile else 1.0) * (fit["fp32_share"] if setup.precision == "fp32" else 1.0)
+    return min(0.6, max(0.01, value))
+
+
+def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
+    """Seconds per step by stage, and their sum."""
+    flops, bandwidth, _ = GPUS[setup.gpu]
+    trained = shape.lora_params(setup.lora_rank) if setup.lora_rank else shape.params
+    frozen = shape.params if setup.lora_rank else 0
+    tokens = setup.samples * (setup.prompt_len + setup.response_len * (2 if setup.pairs else 1))
+    trained_tokens = tokens * setup.trained_fraction
+    per_token = 6 * trained + 4 * frozen + (2 * shape.params if setup.activation_checkpointing else 0)
+    models = 2 if setup.critic else 1
+    rate = setup.gpus * flops * mfu(shape, setup, fit)
+    micro_batches = math.ceil(_tokens_per_gpu(setup) * setup.trained_fraction / setup.max_tokens_per_micro_batch)
+    launches = micro_batches * shape.layers * fit["layer_pass_s"] * (fit["compile_pass_share"] if setup.compile else 1)
+    stages = {"update": models * setup.epochs * (per_token * trained_tokens / rate + launches)}
+    passes = setup.old_logprobs_pass + setup.reference + setup.critic
+    if passes:
+        stages["logprobs"] = passes * (2 * shape.params * trained_tokens / rate + launches / 3)
+    if setup.rollout:
+        compute = _dtype_bytes(setup.precision)
+        weights = shape.params * compute / setup.rollout_tp
+        sequences = setup.samples / setup.gpus * setup.rollout_tp
+        kv_read = sequences * (setup.prompt_len + setup.response_len / 2) * shape.kv_bytes_per_token / 2 * compute \
+            / setup.rollout_tp
+        per_layer = fit["decode_layer_eager_s"] if setup.rollout_eager else fit["decode_layer_s"]
+        per_step = shape.layers * per_layer + (weights + kv_read) / (bandwidth * fit["decode_bw_share"])
+        steps = min(setup.max_response_len, fit["longest_over_mean"] * setup.response_len)
+        prefill = sequences * setup.prompt_len * 2 * shape.params / setup.rollout_tp / (flops * fit["prefill_mfu"])
+        stages["rollout"] = steps * per_step + prefill
+        stages["sync"] = weights / (fit["sync_gb_s"] * GB)
+    return {**stages, "step": sum(stages.values())}
+
+
+def fits(shape: Shape, setup: Setup, fit: dict = FIT) -> bool:
+    return memory(shape, setup, fit)["peak"] <= HEADROOM * setup.memory_gb
+
+
+def fixes(shape: Shape, setup: Setup, fit: dict = FIT) -> list[tuple[str, float]]:
+    """Flags (and the peak GB they would give) that bring a configuration under the GPU's memory (with HEADROOM),
+    cheapest first: activation checkpointing, a smaller micro-batch, offload, sequence parallelism, LoRA, vLLM's
+    weights off the GPU while training; where no single one does, activation checkpointing with one of the others."""
+    options = []
+    for budget in (8192, 4096, 2048):
+        if budget < setup.max_tokens_per_micro_batch:
+            options.append((f"--max-tokens-per-micro-batch {budget}", {"max_tokens_per_micro_batch": budget}))
+    if not setup.offload and (setup.critic or setup.reference):
+        options.append(("--offload", {"offload": True}))
+    for n in (2, 4, 8):
+        if n > setup.sequence_parallel and setup.gpus % n == 0 and shape.heads % n == 0:
+            options.append((f"--sequence-parallel {n}", {"sequence_parallel": n}))
+    if not setup.lora_rank:
+        options.append(("--lora-rank 32", {"lora_rank": 32}))
+    if setup.rollout and default_sleep_level(shape, setup) == 0:
+        options.append(("--rollout-sleep-level 2", {"sleep_level": 2}))
+    checkpointing = [] if setup.activation_checkpointing else [("--activation-checkpointing",
+                                                                {"activation_checkpointing": True})]
+
+    def fitting(candidates):
+        found = []
+        for flag, changes in candidates:
+            peak = memory(shape, replace(setup, **changes), fit)["peak"]
+            if peak <= HEADROOM * setup.memory_gb:
+                found.append((flag, peak))
+        return found
+
+    found = fitting(checkpointing + options)
+    if not found and checkpointing:
+        found = fitting([(f"{checkpointing[0][0]} {flag}", {**checkpointing[0][1], **changes})
+                         for flag, changes in options])
+    return found
+
+
+def describe(shape: Shape, setup: Setup, fit: dict = FIT) -> list[str]:
+    """The planner's report in lines: memory by part per phase, the peak against the GPU, the step by stage."""
+    mem, time_ = memory(shape, setup, fit), step_time(shape, setup, fit)
+    lines = [f"model: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, MLP "
+             f"{shape.intermediate}, {shape.heads} heads / {shape.kv_heads} kv, vocabulary {shape.vocab})"]
+    for phase in ("training", "rollout"):
+        if mem[phase]:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
+            lines.append(f"{phase}: {sum(mem[phase].values()):.1f} GB per GPU ({parts})")
+    fit_ok = mem["peak"] <= HEADROOM * setup.memory_gb
+    lines.append(f"peak: {mem['peak']:.1f} GB of {setup.memory_gb:.0f} ({mem['phase']} phase): "
+                 + ("fits" if fit_ok else f"does not fit (a plan fits within {HEADROOM:.0%} of the GPU)"))
+    if not fit_ok:
+        found = fixes(shape, setup, fit)
+        lines.append("would fit with: " + ("; ".join(f"{flag} ({peak:.1f} GB)" for flag, peak in found)
+                                           if found else "none of the flags alone: more GPUs, or a smaller model"))
+    lines.append(f"step: {time_['step']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in time_.items() if k != "step")
+                 + f"; training at an MFU of {mfu(shape, setup, fit):.0%})")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scripts at start-up: their flags as a Setup, an unset --activation-checkpointing decided, and what a stage that
+# runs out of memory says.
+
+_plan = None  # (shape, setup) of this run, once plan_run has made it
+
+
+def setup_of_run(args, config, world: int, gpu_name: str, gpu_memory_gb: float) -> Setup:
+    """A script's flags (grpo.py, ppo.py, dpo.py) as the planner's inputs, at the worst case for memory: every
+    prompt and response as long as their limits."""
+    pairs = not getattr(args, "online", True)  # offline dpo.py: pairs of a dataset, no engine
+    samples = getattr(args, "pairs_per_step", 0) if pairs else args.prompts_per_step * args.group_size
+    prompt = args.max_len // 2 if pairs else args.max_prompt_len
+    response = args.max_len - prompt if pairs else args.max_response_len
+    kind = next((k for k in GPUS if k in gpu_name), "H100")
+    return Setup(gpus=world, gpu=kind, gpu_memory_gb=gpu_memory_gb, prompt_len=prompt, max_prompt_len=prompt,
+                 response_len=response, max_response_len=response, samples=samples,
+                 max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, precision=args.precision,
+                 lora_rank=args.lora_rank, offload=getattr(args, "offload", False),
+                 activation_checkpointing=bool(args.activation_checkpointing), compile=args.compile,
+                 sequence_parallel=args.sequence_parallel, shard_size=args.shard_size, rollout=not pairs,
+                 rollout_tp=getattr(args, "rollout_tp", 1), rollout_eager=getattr(args, "rollout_eager", False),
+                 sleep_level=getattr(args, "rollout_sleep_level", None),
+                 critic=hasattr(args, "critic_lr"),
+                 reference=not args.lora_rank and (getattr(args, "kl_coef", 0) > 0 or getattr(args, "ref_cache", "")
+                                                   == "none"),
+                 pairs=pairs, epochs=getattr(args, "epochs", 1),
+                 old_logprobs_pass=hasattr(args, "critic_lr") or getattr(args, "epochs", 1) > 1
+                 or getattr(args, "num_mini_batches", 1) > 1)
+
+
+def plan_run(args, world: int, device) -> list[str]:
+    """At start-up, on GPUs: the planner's forecast for this run (lines to print) and, where --activation-checkpointing
+    was not given (neither it nor --no-activation-checkpointing), its choice: on when the step would not fit without
+    it. On CPU there is nothing to plan."""
+    global _plan
+    from common.run.errors import given_on_command_line
+    if device.type != "cuda":
+        return []
+    import torch
+    from transformers import AutoConfig
+
+    from common.train.model import load_tokenizer
+    if args.model is None:
+        from common.data.synthetic import tiny_model_config
+        config = tiny_model_config(load_tokenizer(None))
+    else:
+        config = AutoConfig.from_pretrained(args.model)
+    shape = Shape.from_config(config)
+    total = torch.cuda.mem_get_info(device)[1] / GB
+    lines = []
+    if not given_on_command_line("activation_checkpointing"):
+        setup = setup_of_run(args, config, world, torch.cuda.get_device_name(device), total)
+        if not fits(shape, setup):
+            args.activation_checkpointing = True
+            lines.append(f"planner: --activation-checkpointing on: the step needs about {memory(shape, setup)['peak']:.0f}"
+                         f" GB without it, more than {HEADROOM:.0%} of the GPU's {total:.0f} GB")
+    setup = setup_of_run(args, config, world, torch.cuda.get_device_name(device), total)
+    _plan = (shape, setup)
+    return lines + ["planner: " + line for line in describe(shape, setup)[1:]]
+
+
+def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
+    """The one line a stage that ran out of GPU memory says: where, what is in use, and the flags that would fit."""
+    import torch
+    line = f"out of GPU memory in stage '{stage}' of step {step}"
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        line += (f": {(total - free) / GB:.1f} of {total / GB:.1f} GB in use, {torch.cuda.memory_allocated() / GB:.1f} "
+                 f"GB of it PyTorch's tensors")
+    line += f" ({' '.join(str(error).split())[:120]})"
+    if _plan is not None:
+        shape, setup = _plan
+        mem = memory(shape, setup)
+        phase = "rollout" if stage in ("rollout", "eval", "sync") else "training"
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
+        found = fixes(shape, setup)
+        line += f"; the planner expects {sum(mem[phase].values()):.1f} GB ({parts})"
+        line += "; would fit with: " + ("; ".join(flag for flag, _ in found) if found else
+                                        "no single flag: more GPUs, or a smaller model")
+    return line

@@ -1,0 +1,219 @@
+"""Policy models: load one (hub id, local directory or the built-in tiny model), shard it with FSDP2,
+and compute the log-probs of given tokens, the quantity every RL loss here is built from."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from common.train.logprobs import use_packed_attention
+from common.train.sequence_parallel import check_heads, sequence_parallel_size
+from sharding.checkpoint import load_saved_tokenizer
+
+
+def check_model_source(model: str | None, flag: str = "--model") -> None:
+    """One clear line, naming the flag, for a model path that cannot be a model: a local path that is missing or not
+    an HF model directory (transformers would otherwise read it as a hub id, or ask for a tokenizer package)."""
+    if model is None:
+        return
+    local = os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if not local:
+        return  # a hub id: transformers says what is wrong with it
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"{flag} {model}: no such directory")
+    present = sorted(os.listdir(model))
+    if "config.json" not in present:
+        raise ValueError(f"{flag} {model}: not an HF model directory (no config.json; it holds "
+                         f"{present[:8] or 'nothing'})")
+    if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"} & set(present):
+        raise ValueError(f"{flag} {model}: the directory has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    if not any(name.endswith((".safetensors", ".bin", ".safetensors.index.json")) for name in present):
+        raise ValueError(f"{flag} {model}: the directory has no weights (*.safetensors)")
+
+
+def load_tokenizer(model: str | None):
+    check_model_source(model)
+    if model is None:
+        from common.data.synthetic import build_tiny_tokenizer
+        tokenizer = build_tiny_tokenizer()
+    else:
+        try:
+            tokenizer = load_saved_tokenizer(model)  # as the HF export checks that its tokenizer reads back
+        except (OSError, ValueError) as e:  # hub unreachable, unknown id: transformers' message runs to pages
+            raise ValueError(f"--model {model}: could not load its tokenizer "
+                             f"({' '.join(str(e).split())[:240]})") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(model: str | None, tokenizer) -> list[int]:
+    """Tokens that end a response: the tokenizer's EOS and every EOS the checkpoint's generation_config.json lists
+    (chat models end a turn with their own token, e.g. Qwen2.5-Instruct's <|im_end|> besides <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    if model is not None:
+        try:
+            eos = GenerationConfig.from_pretrained(model).eos_token_id
+        except OSError:  # the checkpoint has no generation_config.json
+            eos = None
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)
+
+
+def load_model(model: str | None, tokenizer, seed: int) -> torch.nn.Module:
+    """Full fp32 model on CPU, identical on every rank (same checkpoint, or the same seed for the tiny model)."""
+    if model is None:
+        from common.data.synthetic import tiny_model_config
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(tiny_model_config(tokenizer), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+
+
+def checkpoint_dtype(model: str | None) -> torch.dtype:
+    """The dtype a checkpoint was published in (exports are written in it); fp32 for the built-in tiny model."""
+    dtype = None if model is None else AutoConfig.from_pretrained(model).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
+
+
+def save_model_config(model: str | None, tokenizer, path: str) -> str:
+    """Writes config + tokenizer (no weights) where a rollout engine can read the architecture; returns the path."""
+    os.makedirs(path, exist_ok=True)
+    if model is None:
+        from common.data.synthetic import tiny_model_config
+        config = tiny_model_config(tokenizer)
+    else:
+        config = AutoConfig.from_pretrained(model)
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # e.g. {"Qwen2DecoderLayer"}
+    # By the class or its base: fully_shard swaps a module's class for an FSDP subclass (FSDPQwen2DecoderLayer).
+    layers = [m for m in model.modules() if any(c.__name__ in layer_classes for c in type(m).__mro__)]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (_no_split_modules is empty)")
+    return layers
+
+
+def compile_model(model: torch.nn.Module, head: bool = True) -> None:
+    """torch.compile each decoder layer's forward, with dynamic shapes (a packed row's length changes every
+    micro-batch). Only the forward: FSDP2's gather and reshard hooks around it stay eager, and parameter names do
+    not change. With head, also the LM head's per-chunk log-prob math (common/train/logprobs.py: fused passes over the
+    [chunk, vocab] logits). Small models gain most, their layers being many short kernels. Calling it again only
+    changes head."""
+    for layer in decoder_layers(model):
+        if not getattr(layer, "compiled", False):
+            layer.forward, layer.compiled = torch.compile(layer.forward, dynamic=True), True
+    model.compiled_head = head
+
+
+def pick_precision(precision: str, model: str | None) -> str:
+    """--precision auto: fp32 for models under 0.3B parameters (the built-in one included), else bf16. On
+    SmolLM2-135M, GRPO in fp32 (trainer and vLLM: their log-probs then agree to 0.002 per token, against 0.04 in bf16)
+    reached 0.84 held-out accuracy on addition in 30 steps against 0.68 in bf16 (same seeds), at 1.5x the step time
+    (benchmarks/README.md). Larger models stay in bf16: fp32 matmuls (no TF32) cost far more there, unmeasured."""
+    if precision != "auto":
+        return precision
+    if model is None:
+        return "fp32"
+    check_model_source(model)  # the first to read the model: a bad path is one line naming it
+    with torch.device("meta"):  # no memory: only the parameter count
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return "fp32" if sum(p.numel() for p in net.parameters()) < 0.3e9 else "bf16"
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The GPU arithmetic of a --precision: the trainer's compute dtype and vLLM's."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+_mesh = None  # the training ranks' device mesh for FSDP2: None shards over them all; 2-D for hybrid sharding
+
+
+def init_sharding(shard_size: int | None, device: torch.device) -> None:
+    """Collective over the training ranks. shard_size K (hybrid sharding, HSDP): FSDP2 over a 2-D mesh, every model
+    sharded within groups of K consecutive ranks (a node: the parameter all-gathers of each layer stay on its fast
+    links) and replicated across the groups (only the gradients' reduction crosses them, once per update). None, or
+    every rank: sharded over all of them."""
+    global _mesh
+    world = dist.get_world_size()
+    if shard_size is None or shard_size == world:
+        _mesh = None
+        return
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"--shard-size {shard_size} must divide the {world} training ranks")
+    from torch.distributed.device_mesh import init_device_mesh
+    _mesh = init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def sharding_mesh():
+    """The 2-D mesh of hybrid sharding, or None (every model sharded over every training rank)."""
+    return _mesh
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
+                trainable: bool = True, compile_layers: bool = False, precision: str = "bf16",
+                packed_rows: bool = False) -> torch.nn.Module:
+    """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head), over every
+    training rank or, with hybrid sharding (init_sharding), within groups of them.
+
+    On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
+    are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`. Frozen parameters (a
+    model that does not train, a LoRA model's base) are kept in the compute dtype: they need no fp32 master copy.
+    trainable=False freezes the whole model; True keeps each parameter's requires_grad (common/train/lora.py sets them).
+    compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
+    model but a policy that also generates with HF's generate (common/rollout/rollouts.py switches that one itself).
+    """
+    if sequence_parallel_size() > 1:
+        check_heads(model.config, sequence_parallel_size())
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.requires_grad_(False)
+    policy = MixedPrecisionPolicy()  # CPU: fp32 throughout
+    if device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(compute_dtype(precision))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=_mesh, mp_policy=policy)
+    if compile_layers:
+        compile_model(model)
+    fully_shard(model, mesh=_mesh, mp_policy=policy)  # also moves the shards and buffers onto `device`
+    if trainable and sequence_parallel_size() > 1:
+        # Each rank of a sequence-parallel group computes a share of the same samples' gradient (its tokens), and
+        # every sum over ranks counts those samples once per rank: dividing the summed gradients by the number of
+        # groups instead of ranks gives the update of the same samples without sequence parallelism.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(dist.get_world_size() / sequence_parallel_size())
+                module.set_force_sum_reduction_for_comms(device.type == "cpu")  # gloo has no pre-multiplied sum
+    model.train(trainable)
+    if packed_rows:
+        use_packed_attention(model, device)
+    return model
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of input_ids[:, 1:] given everything before them, under logits / temperature.
+
+    input_ids, attention_mask: [batch, seq], right-padded. Returns [batch, seq - 1] log-probs (and entropies).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logits = logits.float() / temperature  # [batch, seq - 1, vocab]
+    logprobs = F.log_softmax(logits, dim=-1)
+    token_lp = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # a metric only: keep it out of the autograd graph
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return token_lp, entropy
