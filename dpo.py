@@ -23,7 +23,6 @@ a reference model of another architecture, reward-model ensembles, length-contro
         --dataset-config harmless-base
 """
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -32,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from common.data.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
-                                      example_logps, load_examples, response_lengths)
+                                           example_logps, load_examples, response_lengths)
 from common.data.preferences import unpair
+from common.data.prompts import EvalDataArgs
 from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
                                      fill_rollout_defaults)
 from common.rollout.split import init_placement
@@ -46,7 +46,7 @@ from common.run.rundir import RunArgs, open_run_dir
 from common.run.signals import stop_agreed
 from common.train.batching import plan_equal_micro_batches, share_samples_evenly
 from common.train.logprobs import model_token_mask
-from common.train.lora import LORA_LR_SCALE, LoraArgs, add_lora, check_lora_args
+from common.train.lora import LoraArgs, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, shard_model
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
@@ -54,13 +54,12 @@ from common.train.value_models import load_reward_model
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
-    """pairs (or KTO's unpaired rows) as a hub dataset, a local .jsonl/.json/.parquet/.csv (also .jsonl.gz), or a local
-    directory of splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the
-    built-in task's pairs (its right answer over a wrong one). --online: prompts and answers, as grpo.py's"""
+    """pairs (or KTO's unpaired rows): a hub dataset, a local .jsonl/.json/.parquet/.csv (.gz too) or a directory of
+    them (grpo.py --help); unset: the built-in task's pairs (its right answer over a wrong one). --online: prompts"""
     dataset_config: str | None = None
     """configuration name of a hub dataset or of a snapshot of one (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
     prompt_key: str = "prompt"
@@ -74,19 +73,9 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
     label_key: str = "label"
     """KTO's unpaired rows: the column saying whether the response is desirable (true) or not (false)"""
     eval_split: str = "test"
-    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
-    or a dataset without this split, holds out its last --eval-size pairs instead (--online: random prompts)"""
+    """split of a hub dataset or directory to evaluate on ("train" trains); without it, the last --eval-size pairs"""
     eval_size: int | None = None
-    """held-out pairs or rows (with --online: prompts), the first of the eval split or of --eval-dataset; unset: 256,
-    or a tenth of the training data when they are held out of it and it has fewer than 2,560"""
-    eval_dataset: str | None = None
-    """held-out pairs or rows (--online: prompts) from elsewhere: a local file, a local directory or a hub dataset, as
-    --dataset takes them; all of --dataset's "train" split then trains. Unset: --dataset's --eval-split, or a
-    hold-out"""
-    eval_dataset_config: str | None = None
-    """configuration name of --eval-dataset (a hub dataset, or a snapshot of one)"""
-    eval_dataset_split: str = "test"
-    """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
+    """held-out pairs or rows (--online: prompts); unset: 256, or a tenth of training data of fewer than 2,560"""
     chat_template: bool | None = None
     """wrap the text in the tokenizer's chat template; unset: for conversations (lists of messages) only"""
     max_len: int | None = None
@@ -140,23 +129,21 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
     skip_start_check: bool = False
     """do not stop the run when the first step's loss and rewards differ from their values at policy == reference"""
     eval_every: int = 25
-    """held-out evaluation (preference accuracy; greedy task accuracy where prompts have answers) every this many
-    steps, and before and after training"""
+    """held-out evaluation (preference, and greedy task accuracy where prompts have answers) every this many steps"""
 
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
 FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_key", "rejected_key", "completion_key",
-                   "eval_dataset", "eval_dataset_config", "eval_dataset_split",
-                   "label_key", "answer_key", "eval_split", "eval_size", "seed", "online", "group_size",
-                   "prompts_per_step", "pairs_per_step", "max_len", "max_prompt_len", "chat_template", "system_prompt",
-                   "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
+                   "eval_dataset", "eval_dataset_config", "eval_dataset_split", "label_key", "answer_key", "eval_split",
+                   "eval_size", "seed", "online", "group_size", "prompts_per_step", "pairs_per_step", "max_len",
+                   "max_prompt_len", "chat_template", "system_prompt", "prompt_template", "lora_rank", "lora_alpha",
+                   "lora_targets")
 
 
 def resolve_defaults(args: Args) -> None:
     """The flags left unset, from the task (offline --steps, one epoch, once the data is loaded: load_examples)."""
     builtin = args.dataset is None
-    args.lr = (1e-3 if args.model is None else 5e-7) * (LORA_LR_SCALE if args.lora_rank else 1) \
-        if args.lr is None else args.lr
+    args.lr = default_lr(1e-3 if args.model is None else 5e-7, args) if args.lr is None else args.lr
     args.max_len = (16 if builtin else 1024) if args.max_len is None else args.max_len
     args.max_prompt_len = args.max_prompt_len or (256 if args.online else args.max_len // 2)
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
@@ -178,9 +165,6 @@ def check_args(args: Args, world: int) -> None:
                                "save_every", "save_state_every", "keep_checkpoints"])
     check_loss_args(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
     check_lora_args(args)
-    if args.lora_rank and args.ref_update_every:
-        raise ValueError("--ref-update-every does not combine with --lora-rank: a LoRA run's reference is its base "
-                         "model (the adapters switched off), which does not move")
     if args.online:
         check_rollout_args(args, world)
         if args.group_size < 2:
@@ -208,10 +192,10 @@ def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict
         best = max(group, key=lambda s: s["score"])
         worst = min(group, key=lambda s: s["score"])
         if best["score"] > worst["score"]:
+            masks = ({"chosen_mask": model_token_mask(best), "rejected_mask": model_token_mask(worst)}
+                     if "response_mask" in best else {})  # multi-turn: the model's own tokens
             pairs.append({"prompt_ids": best["prompt_ids"], "chosen_ids": best["response_ids"],
-                          "rejected_ids": worst["response_ids"], **({"chosen_mask": model_token_mask(best),
-                                                                     "rejected_mask": model_token_mask(worst)}
-                                                                    if "response_mask" in best else {})})
+                          "rejected_ids": worst["response_ids"], **masks})
             gaps.append(best["score"] - worst["score"])
     groups = len(samples) // args.group_size
     sums = {"groups": groups, "ties": groups - len(pairs), "reward_gap": sum(gaps)}
@@ -449,8 +433,7 @@ def check_start(sums: dict, args: Args) -> None:
 
 def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
-    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off),
-    # sharding models over all of them or within groups of --shard-size.
+    # Colocated or split into trainers and rollout ranks; the trainers' sequence-parallel groups and model sharding.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
@@ -466,9 +449,7 @@ def main(args: Args):
         return Rollouts.serve(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Models: the policy (with --lora-rank: adapters on a frozen base); a frozen reference unless its log-probs are
-    # cached (simpo has none), which with LoRA is the policy's own base (ReferenceLogps switches the adapters off);
-    # the reward model.
+    # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
     shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
                                                        trainable, args.compile, args.precision, packed_rows=True)
     policy = shard(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), trainable=True)
@@ -500,10 +481,10 @@ def main(args: Args):
     first_eval, last_eval = map(checkpoints.resume().get, ("first_eval", "last_eval"))
     # A fresh colocated run's greedy task accuracy; in split placement the rollout ranks get their first weights.
     initial_task_eval = source.start()
+    held_out = lambda task_eval: {**evaluate(policy, reference, eval_rows, args, rank, world, device), **task_eval}
     if not run_dir.resume_from:
         with timer("eval"):
-            first_eval = last_eval = {**evaluate(policy, reference, eval_rows, args, rank, world, device),
-                                      **initial_task_eval}
+            first_eval = last_eval = held_out(initial_task_eval)
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
     timer.pop()
 
@@ -512,8 +493,9 @@ def main(args: Args):
         step_start = timer.start_step(step)
         # 1. Examples: the step's pairs (KTO: labelled rows), from the dataset or sampled, scored and paired online.
         examples, metrics = source.next_batch(step)
-        counted = {"tokens": sum(example_length(e) for e in examples), "count": len(examples)}  # each example once
-        examples, _ = share_samples_evenly(examples, [example_length(e) for e in examples], world, rank)
+        lengths = [example_length(e) for e in examples]
+        counted = {"tokens": sum(lengths), "count": len(examples)}  # before sharing: each example once
+        examples, _ = share_samples_evenly(examples, lengths, world, rank)
 
         # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
         perf.start()
@@ -547,8 +529,7 @@ def main(args: Args):
                                        getattr(rollouts, "rollout_memory", 0))})
         if args.eval_every and step % args.eval_every == 0 or step == args.steps:
             with timer("eval"):
-                last_eval = {**evaluate(policy, reference, eval_rows, args, rank, world, device),
-                             **source.evaluate_task(step)}
+                last_eval = held_out(source.evaluate_task(step))
             metrics.update(last_eval)
         checkpoints.export(step)
         logger.log(step, {**metrics, **timer.pop()})
@@ -558,12 +539,8 @@ def main(args: Args):
         if stop:
             break
 
-    checkpoints.say_if_nothing_to_do()
-    if not stop and first_eval and run_dir.start_step <= args.steps:  # past --steps: said above
-        logger.print("; ".join(f"held-out {name} accuracy: {first_eval[k]:.3f} before training -> {last_eval[k]:.3f} "
-                               f"after {args.steps} steps" for k, name in [("eval/preference_accuracy", "preference"),
-                               ("eval/label_accuracy", "label"), ("eval/accuracy", "greedy task")] if k in first_eval)
-                     + f"; model saved to {os.path.join(run_dir.path, f'hf_step_{args.steps}')}")
+    names = {"eval/preference_accuracy": "preference", "eval/label_accuracy": "label", "eval/accuracy": "greedy task"}
+    checkpoints.say_how_it_went(first_eval, last_eval, stop, names)
     logger.close()
     source.close()
     finish_distributed(exit_process=placement.split)

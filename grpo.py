@@ -20,13 +20,13 @@ the batch with informative groups), overlong reward shaping.
         --dataset-config main --prompt-key question --reward-fn gsm8k
 """
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 
+from common.data.prompts import EvalDataArgs
 from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
                                      fill_rollout_defaults, load_prompts, rollout_mismatch_metrics)
 from common.rollout.split import init_placement
@@ -41,14 +41,14 @@ from common.train.batching import (batching_metrics, mini_batches, pad_rows, pla
                                    share_samples_evenly)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    sample_lengths)
-from common.train.lora import LORA_LR_SCALE, LoraArgs, adapters_off, add_lora, check_lora_args
+from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, shard_model
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs):
     # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -66,14 +66,6 @@ class Args(RunArgs, RolloutArgs, LoraArgs):
     eval_size: int | None = None
     """number of held-out prompts evaluated (the first of the eval split or of --eval-dataset); unset: 256, or a
     tenth of the training data when they are held out of it and it has fewer than 2,560 rows"""
-    eval_dataset: str | None = None
-    """held-out prompts from elsewhere (a benchmark's own test set): a local file, a local directory or a hub dataset,
-    as --dataset takes them; all of --dataset's "train" split then trains. Unset: --dataset's --eval-split, or a
-    hold-out"""
-    eval_dataset_config: str | None = None
-    """configuration name of --eval-dataset (a hub dataset, or a snapshot of one)"""
-    eval_dataset_split: str = "test"
-    """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
 
@@ -291,15 +283,13 @@ def resolve_defaults(args: Args) -> None:
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
-    args.lr = (5e-4 if args.model is None else 1e-6) * (LORA_LR_SCALE if args.lora_rank else 1) \
-        if args.lr is None else args.lr
+    args.lr = default_lr(5e-4 if args.model is None else 1e-6, args) if args.lr is None else args.lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
 
 
 def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
-    # Colocated, or split into trainers and rollout ranks; the trainers in sequence-parallel groups (of 1: off),
-    # sharding models over all of them or within groups of --shard-size.
+    # Colocated or split into trainers and rollout ranks; the trainers' sequence-parallel groups and model sharding.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
@@ -393,14 +383,11 @@ def main(args: Args):
         if stop:
             break
 
-    checkpoints.say_if_nothing_to_do()
-    if not stop and run_dir.start_step <= args.steps:  # past --steps already: said above, and its export is elsewhere
-        logger.print(f"held-out greedy accuracy: {rollouts.first_eval['eval/accuracy']:.3f} before training -> "
-                     f"{rollouts.last_eval['eval/accuracy']:.3f} after {args.steps} steps; model saved to "
-                     f"{os.path.join(run_dir.path, f'hf_step_{args.steps}')}")
+    checkpoints.say_how_it_went(rollouts.first_eval, rollouts.last_eval, stop, {"eval/accuracy": "greedy"})
     logger.close()
     rollouts.close()
     finish_distributed(exit_process=placement.split)
+
 
 if __name__ == "__main__":
     run_main(main, Args)

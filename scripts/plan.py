@@ -17,7 +17,6 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/

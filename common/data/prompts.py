@@ -12,12 +12,26 @@ and on N ranks sees the same prompts, and a resumed run continues with exactly t
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 LOCAL_FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets reads json and csv files compressed with these
 DEFAULT_EVAL_SIZE = 256
+
+
+@dataclass
+class EvalDataArgs:
+    """The flags of a held-out set from elsewhere, every script's (each script's Args extends it)."""
+    eval_dataset: str | None = None
+    """held-out rows from elsewhere (a benchmark's own test set; prompts, or dpo.py's pairs and rows): a local file, a
+    local directory or a hub dataset, as --dataset takes them; all of --dataset's "train" split then trains. Unset:
+    --dataset's --eval-split, or a hold-out"""
+    eval_dataset_config: str | None = None
+    """configuration name of --eval-dataset (a hub dataset, or a snapshot of one)"""
+    eval_dataset_split: str = "test"
+    """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
 
 
 def _first_line(error: Exception) -> str:

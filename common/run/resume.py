@@ -364,9 +364,17 @@ class Checkpoints:
             self.logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
                               f"{step}; run the same command again to continue")
 
-    def say_if_nothing_to_do(self) -> None:
-        """At the end: a run resumed at or past --steps says it had nothing to do."""
+    def say_how_it_went(self, first_eval: dict | None, last_eval: dict | None, stop: bool, names: dict[str, str],
+                        saved_note: str = "") -> None:
+        """At the end: a run resumed at or past --steps says it had nothing to do; one that ran to --steps, each
+        held-out accuracy before and after training (`names`: its metric -> its name) and where the model is."""
         start, steps = self.run_dir.start_step, self.args.steps
         if start >= steps:
             self.logger.print(f"{self.run_dir.resume_from} is already at step {start} of {steps}: nothing to do "
                               f"(--steps trains further)")
+        if stop or start > steps or not first_eval:  # past --steps: said above, and its export is elsewhere
+            return
+        self.logger.print("; ".join(f"held-out {name} accuracy: {first_eval[key]:.3f} before training -> "
+                                    f"{last_eval[key]:.3f} after {steps} steps" for key, name in names.items()
+                                    if key in first_eval)
+                          + f"; model saved to {os.path.join(self.run_dir.path, f'hf_step_{steps}')}{saved_note}")

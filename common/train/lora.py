@@ -24,6 +24,11 @@ import torch
 LORA_LR_SCALE = 10  # an unset --lr with LoRA: this times full fine-tuning's default (see the module docstring)
 
 
+def default_lr(full_fine_tuning: float, args) -> float:
+    """A script's default learning rate: full fine-tuning's, or LORA_LR_SCALE times it with --lora-rank."""
+    return full_fine_tuning * (LORA_LR_SCALE if args.lora_rank else 1)
+
+
 @dataclass
 class LoraArgs:
     """The LoRA flags every script shares (each script's Args extends it)."""
@@ -69,6 +74,9 @@ def check_lora_args(args) -> None:
     if args.lora_sync == "adapter" and getattr(args, "precision", "bf16") == "fp32":
         raise ValueError("--lora-sync adapter: vLLM's LoRA kernels take bf16 or fp16 inputs only (--precision auto is "
                          "fp32 for models under 0.3B parameters); add --precision bf16, or use --lora-sync merged")
+    if args.lora_rank and getattr(args, "ref_update_every", 0):  # dpo.py's iterative DPO
+        raise ValueError("--ref-update-every does not combine with --lora-rank: a LoRA run's reference is its base "
+                         "model (the adapters switched off), which does not move")
     if args.lora_targets is not None and not args.lora_targets:
         raise ValueError("--lora-targets names no layer; leave it unset for every linear layer of attention and MLP")
 
