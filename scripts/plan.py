@@ -22,16 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
 from common.run.planner import FIT, GPUS, Setup, Shape, describe, memory, step_time  # noqa: E402
 
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-
-
 def shape_named(name: str) -> Shape:
     from transformers import LlamaConfig, Qwen2Config
 
+    from scripts.bench_train import LLAMA_SHAPES
     from scripts.random_model import SHAPES
     if name in ("smollm2", "135m"):
-        return Shape.from_config(LlamaConfig(**SMOLLM2))
+        return Shape.from_config(LlamaConfig(**LLAMA_SHAPES["135m"]))  # SmolLM2-135M's sizes
     if name not in SHAPES:
         raise SystemExit(f"error: --shape {name}: one of {', '.join(SHAPES)}, smollm2")
     return Shape.from_config(Qwen2Config(**SHAPES[name]))
@@ -175,12 +172,8 @@ def code_keeps_trainer_cache(run: dict) -> bool:
                                                    and "before 0fd545a" not in text)
 
 
-def compared(run: dict, fit: dict) -> dict | None:
-    """Predicted and measured peak memory (GB per GPU) and step time (s) of a committed run, or None."""
-    inputs = run_setup(run)
-    if inputs is None:
-        return None
-    shape, setup = inputs
+def compared(run: dict, shape: Shape, setup: Setup, fit: dict) -> dict:
+    """Predicted and measured peak memory (GB per GPU) and step time (s) of a committed run (run_setup's inputs)."""
     m = run["measured"]
     mem, times = memory(shape, setup, fit), step_time(shape, setup, fit)
     row = {"id": run["id"], "kind": run["kind"]}
@@ -205,8 +198,9 @@ def error(pair) -> float:
     return predicted / measured - 1
 
 
-def validate(runs: list[dict], fit: dict, show: bool = True) -> dict:
-    rows = [row for run in runs if (row := compared(run, fit))]
+def validate(cases: list[tuple], fit: dict, show: bool = True) -> dict:
+    """cases: (run, shape, setup) of each run the planner covers."""
+    rows = [compared(*case, fit) for case in cases]
     summary = {}
     for key in ("memory", "step", "update", "rollout"):
         errors = [error(r[key]) for r in rows if key in r and not (key == "memory" and r.get("oom"))]
@@ -238,7 +232,7 @@ FITS = {"memory": ["act_h", "act_i", "compile_act_share", "ckpt_h", "logit_copie
         "rollout": ["longest_over_mean", "decode_bw_share", "decode_layer_s", "decode_layer_eager_s", "prefill_mfu"]}
 
 
-def fit_coefficients(runs: list[dict]) -> dict:
+def fit_coefficients(cases: list[tuple]) -> dict:
     """Coordinate descent over FIT's coefficients within BOUNDS, each group on its own comparison (memory, update
     time, rollout time), minimising the mean of log(predicted / measured)^2 (a run that ran out of memory counts only
     where the prediction is below what it measured before it did)."""
@@ -246,9 +240,9 @@ def fit_coefficients(runs: list[dict]) -> dict:
 
     def loss(candidate, key) -> float:
         total, count = 0.0, 0
-        for run in runs:
-            row = compared(run, candidate)
-            if row is None or key not in row:
+        for case in cases:
+            row = compared(*case, candidate)
+            if key not in row:
                 continue
             ratio = math.log(max(row[key][0], 1e-6) / row[key][1])
             if key == "memory" and row.get("oom"):
@@ -276,8 +270,9 @@ def main(argv=None):
     if args.validate or args.fit:
         with open(args.validate or args.fit) as f:
             runs = json.load(f)["runs"]
-        fit = fit_coefficients(runs) if args.fit else FIT
-        validate(runs, fit)
+        cases = [(run, *inputs) for run in runs if (inputs := run_setup(run)) is not None]
+        fit = fit_coefficients(cases) if args.fit else FIT
+        validate(cases, fit)
         return
     if args.model:
         from transformers import AutoConfig

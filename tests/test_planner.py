@@ -74,11 +74,35 @@ def test_a_configuration_that_does_not_fit_gets_the_flags_that_would():
 
 def test_the_scripts_flags_as_the_planners_inputs():
     args = grpo.Args(prompts_per_step=32, group_size=8, max_prompt_len=512, max_response_len=1024, lora_rank=16,
-                     kl_coef=0.1, sequence_parallel=2, shard_size=4, precision="bf16", rollout_tp=2)
-    setup = setup_of_run(args, None, 8, "NVIDIA H200", 150.0)
+                     kl_coef=0.1, sequence_parallel=2, shard_size=4, precision="bf16", rollout_tp=2,
+                     rollout_engine="vllm")
+    setup = setup_of_run(args, 8, "NVIDIA H200", 150.0)
     assert (setup.gpus, setup.gpu, setup.samples, setup.prompt_len, setup.response_len) == (8, "H200", 256, 512, 1024)
     assert (setup.lora_rank, setup.sequence_parallel, setup.shard_size, setup.rollout_tp) == (16, 2, 4, 2)
     assert setup.rollout and not setup.reference and not setup.critic  # with LoRA the reference is the base itself
+    assert (setup.vllm_memory_gb, setup.kv_cache_gb) == (None, None)  # unset --rollout-gpu-memory: the default sizes
+    # --rollout-gpu-memory: up to 1 a share of the GPU for all of vLLM, above 1 GiB of KV cache.
+    assert setup_of_run(grpo.Args(**{**args.__dict__, "rollout_gpu_memory": 0.5}), 8, "H200", 150.0).vllm_memory_gb \
+        == 75.0
+    assert setup_of_run(grpo.Args(**{**args.__dict__, "rollout_gpu_memory": 10.0}), 8, "H200", 150.0).kv_cache_gb \
+        == pytest.approx(10 * 2**30 / 1e9)
+    # The trainers of split placement hold no engine, nor does a run that generates with HF.
+    for change in ({"rollout_ranks": 2}, {"rollout_engine": "hf"}):
+        assert not setup_of_run(grpo.Args(**{**args.__dict__, **change}), 6, "H200", 150.0).rollout, change
+
+
+def test_sequence_parallelism_is_proposed_only_where_the_heads_split():
+    """A shape of 12 heads and 6 key-value heads splits over 2 ranks (6 each, 3 kv) and 6, not over 4 (6 kv heads
+    neither divide by 4 nor divide 4): the planner must not propose a flag that start-up rejects."""
+    from common.train.sequence_parallel import heads_split
+    assert heads_split(12, 6, 2) and heads_split(12, 6, 6) and not heads_split(12, 6, 4) and heads_split(12, 2, 4)
+    setup = Setup(gpus=8, gpu="H100", gpu_memory_gb=24, prompt_len=4096, max_prompt_len=4096, response_len=8192,
+                  max_response_len=8192, samples=64, max_tokens_per_micro_batch=65536, lora_rank=32, rollout=False)
+    proposed = lambda kv_heads: {flag.split()[-1] for flag, _ in fixes(Shape(
+        hidden=768, intermediate=3072, layers=12, heads=12, kv_heads=kv_heads, vocab=50_000, tied=True), setup)
+        if flag.startswith("--sequence-parallel")}
+    assert proposed(12) == {"2", "4"}  # every head its own key-value head: 4 would fit and works
+    assert proposed(6) == {"2"}
 
 
 def test_the_committed_validation_table_is_what_the_fit_gives():

@@ -63,6 +63,12 @@ def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_m
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = max(1, (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size)
     bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    return kv_cache_size_gib(bytes_per_token, sequences, max_model_len, device_gib)
+
+
+def kv_cache_size_gib(bytes_per_token: float, sequences: float, max_model_len: int, device_gib: float) -> float:
+    """kv_cache_gib's size (also common/run/planner.py's): `sequences` in blocks of 16 tokens, a tenth more, at least
+    0.5 GiB, at most KV_CACHE_CAP of the GPU."""
     tokens = sequences * math.ceil(max_model_len / 16) * 16  # vLLM's blocks hold 16 tokens
     return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
 

@@ -29,7 +29,9 @@ the comparison; benchmarks/README.md, Capacity planner).
 """
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+
+from common.run.perf import PEAK_BF16_FLOPS
 
 GB = 1e9
 
@@ -59,9 +61,10 @@ FIT = {
 HEADROOM = 0.9  # a configuration fits when its predicted peak is within this share of the GPU (the model's median
 # error is 7%, and a step's micro-batches differ)
 
-# Per GPU kind: dense bf16 FLOP/s, HBM bandwidth (bytes/s), memory (GB of 1e9 bytes, as torch.cuda.mem_get_info and
-# perf/peak_memory_gb count them).
-GPUS = {"H100": (989e12, 3.35e12, 85.0), "H200": (989e12, 4.8e12, 150.0), "A100": (312e12, 2.0e12, 85.0)}
+# Per GPU kind: dense bf16 FLOP/s (common/run/perf.py's), HBM bandwidth (bytes/s), memory (GB of 1e9 bytes, as
+# torch.cuda.mem_get_info and perf/peak_memory_gb count them).
+GPUS = {kind: (PEAK_BF16_FLOPS[kind], bandwidth, memory_gb)
+        for kind, bandwidth, memory_gb in [("H100", 3.35e12, 85.0), ("H200", 4.8e12, 150.0), ("A100", 2.0e12, 85.0)]}
 
 
 @dataclass
@@ -102,6 +105,10 @@ class Shape:
     @property
     def kv_bytes_per_token(self) -> int:  # bf16 keys and values of every layer
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    def trained_and_frozen(self, lora_rank: int) -> tuple[int, int]:
+        """Parameters trained and frozen: all trained, or the adapters trained on a frozen base."""
+        return (self.lora_params(lora_rank), self.params) if lora_rank else (self.params, 0)
 
     def lora_params(self, rank: int) -> int:
         """Adapters of rank r on every linear layer of attention and MLP: r x (in + out) each."""
@@ -144,7 +151,6 @@ class Setup:
     pairs: bool = False  # DPO: each sample is a pair (two responses)
     epochs: int = 1
     old_logprobs_pass: bool = False  # GRPO with several optimizer steps a batch, PPO: a pass of its own
-    extra: dict = field(default_factory=dict)
 
     @property
     def memory_gb(self) -> float:
@@ -156,23 +162,23 @@ def _dtype_bytes(precision: str) -> int:
 
 
 def default_sleep_level(shape: Shape, setup: Setup) -> int:
-    """common/rollout/vllm_engine.py's default: 0 while vLLM's weights take at most 15% of the GPU, else 2."""
+    """common/rollout/vllm_engine.py's default: 0 while vLLM's weights take at most KEEP_WEIGHTS_UP_TO of the GPU."""
+    from common.rollout.vllm_engine import default_sleep_level
     if setup.sleep_level is not None:
         return setup.sleep_level
-    weights = shape.params * _dtype_bytes(setup.precision) / setup.rollout_tp
-    return 0 if weights <= 0.15 * setup.memory_gb * GB else 2
+    return default_sleep_level(shape.params * _dtype_bytes(setup.precision) / setup.rollout_tp, setup.memory_gb * GB)
 
 
 def kv_cache_gb(shape: Shape, setup: Setup) -> float:
-    """The KV cache the scripts size by default (common/rollout/vllm_engine.py's kv_cache_gib): a replica's sequences at once,
-    each of --max-prompt-len + --max-response-len tokens, a tenth more, at most 40% of the GPU."""
+    """The KV cache the scripts size by default (common/rollout/vllm_engine.py's): a replica's sequences at once, each
+    of --max-prompt-len + --max-response-len tokens, a tenth more, at most KV_CACHE_CAP of the GPU."""
+    from common.rollout.vllm_engine import kv_cache_size_gib
     if setup.kv_cache_gb is not None:
         return setup.kv_cache_gb
-    sequences = setup.samples / setup.gpus * setup.rollout_tp
-    tokens = sequences * math.ceil((setup.max_prompt_len + setup.max_response_len) / 16) * 16
     per_token = 2 * shape.layers * max(1, shape.kv_heads // setup.rollout_tp) * shape.head_dim * \
         _dtype_bytes(setup.precision)
-    gib = min(max(0.5, 1.1 * tokens * per_token / 2**30), 0.4 * setup.memory_gb * GB / 2**30)
+    gib = kv_cache_size_gib(per_token, setup.samples / setup.gpus * setup.rollout_tp,
+                            setup.max_prompt_len + setup.max_response_len, setup.memory_gb * GB / 2**30)
     return gib * 2**30 / GB
 
 
@@ -183,8 +189,7 @@ def memory(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
     hands them back and only what stays resident remains."""
     shard = setup.shard_size or setup.gpus
     compute = _dtype_bytes(setup.precision)
-    trained = shape.lora_params(setup.lora_rank) if setup.lora_rank else shape.params
-    frozen = shape.params if setup.lora_rank else 0
+    trained, frozen = shape.trained_and_frozen(setup.lora_rank)
     models = 2 if setup.critic else 1  # PPO's critic: the policy's size, trained the same way
     resident = {"weights": models * (4 * trained + compute * frozen) / shard / GB,
                 "optimizer": models * 8 * trained / shard / GB}
@@ -216,7 +221,7 @@ def memory(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
         if default_sleep_level(shape, setup) == 0:
             training["vllm weights"] = vllm["vllm weights"]
         cached = sum(training.values()) - training.get("vllm weights", 0.0)
-        if setup.trainer_cache_kept and cached + sum(vllm.values()) + 1.07 <= setup.memory_gb:
+        if setup.trainer_cache_kept and cached + sum(vllm.values()) + 2**30 / GB <= setup.memory_gb:  # a GiB spare
             rollout = {"trainer (cached)": cached, **vllm}
         else:
             rollout = {**resident, "overhead": fit["overhead_gb"], **vllm}
@@ -242,8 +247,7 @@ def mfu(shape: Shape, setup: Setup, fit: dict = FIT) -> float:
 def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
     """Seconds per step by stage, and their sum."""
     flops, bandwidth, _ = GPUS[setup.gpu]
-    trained = shape.lora_params(setup.lora_rank) if setup.lora_rank else shape.params
-    frozen = shape.params if setup.lora_rank else 0
+    trained, frozen = shape.trained_and_frozen(setup.lora_rank)
     tokens = setup.samples * (setup.prompt_len + setup.response_len * (2 if setup.pairs else 1))
     trained_tokens = tokens * setup.trained_fraction
     per_token = 6 * trained + 4 * frozen + (2 * shape.params if setup.activation_checkpointing else 0)
@@ -271,13 +275,18 @@ def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
 
 
 def fits(shape: Shape, setup: Setup, fit: dict = FIT) -> bool:
-    return memory(shape, setup, fit)["peak"] <= HEADROOM * setup.memory_gb
+    return within_headroom(memory(shape, setup, fit)["peak"], setup)
+
+
+def within_headroom(peak: float, setup: Setup) -> bool:
+    return peak <= HEADROOM * setup.memory_gb
 
 
 def fixes(shape: Shape, setup: Setup, fit: dict = FIT) -> list[tuple[str, float]]:
     """Flags (and the peak GB they would give) that bring a configuration under the GPU's memory (with HEADROOM),
     cheapest first: activation checkpointing, a smaller micro-batch, offload, sequence parallelism, LoRA, vLLM's
     weights off the GPU while training; where no single one does, activation checkpointing with one of the others."""
+    from common.train.sequence_parallel import heads_split
     options = []
     for budget in (8192, 4096, 2048):
         if budget < setup.max_tokens_per_micro_batch:
@@ -285,7 +294,7 @@ def fixes(shape: Shape, setup: Setup, fit: dict = FIT) -> list[tuple[str, float]
     if not setup.offload and (setup.critic or setup.reference):
         options.append(("--offload", {"offload": True}))
     for n in (2, 4, 8):
-        if n > setup.sequence_parallel and setup.gpus % n == 0 and shape.heads % n == 0:
+        if n > setup.sequence_parallel and setup.gpus % n == 0 and heads_split(shape.heads, shape.kv_heads, n):
             options.append((f"--sequence-parallel {n}", {"sequence_parallel": n}))
     if not setup.lora_rank:
         options.append(("--lora-rank 32", {"lora_rank": 32}))
@@ -298,7 +307,7 @@ def fixes(shape: Shape, setup: Setup, fit: dict = FIT) -> list[tuple[str, float]
         found = []
         for flag, changes in candidates:
             peak = memory(shape, replace(setup, **changes), fit)["peak"]
-            if peak <= HEADROOM * setup.memory_gb:
+            if within_headroom(peak, setup):
                 found.append((flag, peak))
         return found
 
@@ -318,7 +327,7 @@ def describe(shape: Shape, setup: Setup, fit: dict = FIT) -> list[str]:
         if mem[phase]:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
             lines.append(f"{phase}: {sum(mem[phase].values()):.1f} GB per GPU ({parts})")
-    fit_ok = mem["peak"] <= HEADROOM * setup.memory_gb
+    fit_ok = within_headroom(mem["peak"], setup)
     lines.append(f"peak: {mem['peak']:.1f} GB of {setup.memory_gb:.0f} ({mem['phase']} phase): "
                  + ("fits" if fit_ok else f"does not fit (a plan fits within {HEADROOM:.0%} of the GPU)"))
     if not fit_ok:
@@ -337,10 +346,13 @@ def describe(shape: Shape, setup: Setup, fit: dict = FIT) -> list[str]:
 _plan = None  # (shape, setup) of this run, once plan_run has made it
 
 
-def setup_of_run(args, config, world: int, gpu_name: str, gpu_memory_gb: float) -> Setup:
+def setup_of_run(args, world: int, gpu_name: str, gpu_memory_gb: float) -> Setup:
     """A script's flags (grpo.py, ppo.py, dpo.py) as the planner's inputs, at the worst case for memory: every
-    prompt and response as long as their limits."""
+    prompt and response as long as their limits. The training ranks hold a vLLM engine when colocated with it."""
     pairs = not getattr(args, "online", True)  # offline dpo.py: pairs of a dataset, no engine
+    engine = not pairs and not args.rollout_ranks and args.rollout_engine == "vllm"
+    share = args.rollout_gpu_memory if engine and args.rollout_gpu_memory and args.rollout_gpu_memory <= 1 else None
+    kv_gib = args.rollout_gpu_memory if engine and args.rollout_gpu_memory and args.rollout_gpu_memory > 1 else None
     samples = getattr(args, "pairs_per_step", 0) if pairs else args.prompts_per_step * args.group_size
     prompt = args.max_len // 2 if pairs else args.max_prompt_len
     response = args.max_len - prompt if pairs else args.max_response_len
@@ -350,7 +362,8 @@ def setup_of_run(args, config, world: int, gpu_name: str, gpu_memory_gb: float) 
                  max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, precision=args.precision,
                  lora_rank=args.lora_rank, offload=getattr(args, "offload", False),
                  activation_checkpointing=bool(args.activation_checkpointing), compile=args.compile,
-                 sequence_parallel=args.sequence_parallel, shard_size=args.shard_size, rollout=not pairs,
+                 sequence_parallel=args.sequence_parallel, shard_size=args.shard_size, rollout=engine,
+                 vllm_memory_gb=share and share * gpu_memory_gb, kv_cache_gb=kv_gib and kv_gib * 2**30 / GB,
                  rollout_tp=getattr(args, "rollout_tp", 1), rollout_eager=getattr(args, "rollout_eager", False),
                  sleep_level=getattr(args, "rollout_sleep_level", None),
                  critic=hasattr(args, "critic_lr"),
@@ -370,24 +383,19 @@ def plan_run(args, world: int, device) -> list[str]:
     if device.type != "cuda":
         return []
     import torch
-    from transformers import AutoConfig
 
-    from common.train.model import load_tokenizer
-    if args.model is None:
-        from common.data.synthetic import tiny_model_config
-        config = tiny_model_config(load_tokenizer(None))
-    else:
-        config = AutoConfig.from_pretrained(args.model)
-    shape = Shape.from_config(config)
+    from common.train.model import model_config
+    shape = Shape.from_config(model_config(args.model))
     total = torch.cuda.mem_get_info(device)[1] / GB
+    setup = setup_of_run(args, world, torch.cuda.get_device_name(device), total)
     lines = []
     if not given_on_command_line("activation_checkpointing"):
-        setup = setup_of_run(args, config, world, torch.cuda.get_device_name(device), total)
-        if not fits(shape, setup):
+        peak = memory(shape, setup)["peak"]
+        if not within_headroom(peak, setup):
             args.activation_checkpointing = True
-            lines.append(f"planner: --activation-checkpointing on: the step needs about {memory(shape, setup)['peak']:.0f}"
-                         f" GB without it, more than {HEADROOM:.0%} of the GPU's {total:.0f} GB")
-    setup = setup_of_run(args, config, world, torch.cuda.get_device_name(device), total)
+            setup = replace(setup, activation_checkpointing=True)
+            lines.append(f"planner: --activation-checkpointing on: the step needs about {peak:.0f} GB without it, "
+                         f"more than {HEADROOM:.0%} of the GPU's {total:.0f} GB")
     _plan = (shape, setup)
     return lines + ["planner: " + line for line in describe(shape, setup)[1:]]
 
@@ -404,7 +412,7 @@ def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
     if _plan is not None:
         shape, setup = _plan
         mem = memory(shape, setup)
-        phase = "rollout" if stage in ("rollout", "eval", "sync") else "training"
+        phase = "rollout" if stage in ("rollout", "generate", "eval", "sync", "check_sync") else "training"
         parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
         found = fixes(shape, setup)
         line += f"; the planner expects {sum(mem[phase].values()):.1f} GB ({parts})"

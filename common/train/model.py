@@ -80,15 +80,19 @@ def checkpoint_dtype(model: str | None) -> torch.dtype:
     return dtype or torch.float32
 
 
+def model_config(model: str | None, tokenizer=None):
+    """The transformers config of `model`, or of the built-in tiny model (sized to `tokenizer`, else the built-in one)."""
+    if model is None:
+        from common.data.synthetic import tiny_model_config
+        return tiny_model_config(tokenizer or load_tokenizer(None))
+    check_model_source(model)  # a bad path: one line naming --model
+    return AutoConfig.from_pretrained(model)
+
+
 def save_model_config(model: str | None, tokenizer, path: str) -> str:
     """Writes config + tokenizer (no weights) where a rollout engine can read the architecture; returns the path."""
     os.makedirs(path, exist_ok=True)
-    if model is None:
-        from common.data.synthetic import tiny_model_config
-        config = tiny_model_config(tokenizer)
-    else:
-        config = AutoConfig.from_pretrained(model)
-    config.save_pretrained(path)
+    model_config(model, tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

@@ -63,12 +63,17 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad)
 
 
+def heads_split(heads: int, kv_heads: int, size: int) -> bool:
+    """Whether attention splits over `size` ranks: the heads divide by it, the key-value heads divide it or by it."""
+    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)
+
+
 def check_heads(config, size: int) -> None:
     """One line for a model whose attention heads cannot split over `size` ranks."""
     config = config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % size or (kv_heads % size and size % kv_heads):
+    if not heads_split(heads, kv_heads, size):
         raise ValueError(f"--sequence-parallel {size}: the model's {heads} attention heads ({kv_heads} key-value heads) "
                          f"do not split over {size} ranks (the heads must divide by it, and the key-value heads divide "
                          f"it or divide by it)")
