@@ -133,3 +133,26 @@ def test_a_stage_out_of_memory_is_one_line(tmp_path):
     result = torchrun([*TINY, "--steps", "3", "--output-dir", str(tmp_path / "run")], tmp_path,
                       env={"NANORL_TEST_CRASH": "update:2:oom"})
     assert_one_line_error(result, "out of GPU memory in stage 'update' of step 2")
+
+
+def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monkeypatch):
+    """plan_run on a GPU (its two CUDA queries stood in for: CPU has none): the built-in model's step needs more than
+    the 90% of a 4 GB GPU without activation checkpointing (3.15 GB of overhead alone), so an unset flag turns on and
+    the line says so; given on the command line (--no-activation-checkpointing), the user's choice stands."""
+    import sys
+
+    import torch
+
+    from common.rollout.rollouts import fill_rollout_defaults
+    from common.run import planner
+    monkeypatch.setattr(planner, "_plan", None)  # what plan_run sets goes with the test
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 4e9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    for argv, expected in ([], True), (["--no-activation-checkpointing"], False):
+        monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+        args = grpo.Args(max_response_len=64, activation_checkpointing=False, rollout_engine="vllm")
+        fill_rollout_defaults(args)
+        lines = planner.plan_run(args, 1, torch.device("cuda", 0))
+        assert args.activation_checkpointing is expected
+        assert any(line.startswith("planner: --activation-checkpointing on") for line in lines) is expected, lines
+        assert any(line.startswith("planner: peak:") for line in lines), lines
