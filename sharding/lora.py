@@ -10,7 +10,6 @@ the name and shape of the base checkpoint. In PEFT's files an adapter weight is 
 full beside the adapters (a critic's value head, `modules_to_save`) is `base_model.model.<module>.weight`.
 """
 
-import json
 import os
 
 import torch
@@ -26,6 +25,11 @@ def is_lora_layer(module: torch.nn.Module) -> bool:
 
 def is_adapter_weight(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def is_trained_weight(name: str, heads: tuple[str, ...]) -> bool:
+    """What a LoRA model trains: its adapters, and the modules trained in full beside them (a critic's value head)."""
+    return is_adapter_weight(name) or name.split(".", 1)[0] in heads
 
 
 def base_name(name: str) -> str:
@@ -76,12 +80,7 @@ def save_peft_adapter(state: dict[str, torch.Tensor], config, path: str, dtype: 
 
     heads = tuple(config.modules_to_save or ())
     tensors = {peft_file_name(name): tensor.to(dtype).contiguous() for name, tensor in state.items()
-               if is_adapter_weight(name) or name.split(".", 1)[0] in heads}
+               if is_trained_weight(name, heads)}
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
-
-
-def read_adapter_config(path: str) -> dict:
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        return json.load(f)

@@ -34,18 +34,26 @@ def is_vllm_lora_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_a_stacked")
 
 
+def fused_module(vllm_model: torch.nn.Module, module: str) -> tuple[str, int | None]:
+    """vLLM's module for a checkpoint module and the part of it the module is: "...self_attn.k_proj" ->
+    ("...self_attn.qkv_proj", 1) by the model's packed_modules_mapping; a module vLLM does not fuse: (itself, None)."""
+    part_of = {part: (fused, index) for fused, parts in getattr(vllm_model, "packed_modules_mapping", {}).items()
+               for index, part in enumerate(parts)}
+    parent, _, last = module.rpartition(".")
+    if last not in part_of:
+        return module, None
+    fused, index = part_of[last]
+    return (f"{parent}.{fused}" if parent else fused), index
+
+
 def lora_base_names(vllm_model: torch.nn.Module):
     """A function from a checkpoint name ("...self_attn.q_proj.weight") to the name vLLM's loader takes once the layer
     is wrapped ("...self_attn.q_proj.base_layer.weight"; the loader then fuses q_proj into qkv_proj as usual)."""
-    part_of = {part: fused for fused, parts in getattr(vllm_model, "packed_modules_mapping", {}).items()
-               for part in parts}
     wrapped = {name for name, module in vllm_model.named_modules() if is_vllm_lora_layer(module)}
 
     def rename(name: str) -> str:
         module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        vllm_module = f"{parent}.{part_of.get(last, last)}" if parent else part_of.get(last, last)
-        return f"{module}.base_layer.{leaf}" if vllm_module in wrapped else name
+        return f"{module}.base_layer.{leaf}" if fused_module(vllm_model, module)[0] in wrapped else name
     return rename
 
 
@@ -62,11 +70,8 @@ def adapter_slices(vllm_model: torch.nn.Module, slot: int, layer: str, a: torch.
     A [r, in] and B [out, r]) lives in this rank's vLLM LoRA buffers of `slot`: [(view of vLLM's buffer, the tensor
     it must equal)], padding past rank r included (zero). Expected values are computed as vLLM does: A and B cast to
     its dtype, then B times scaling."""
-    part_of = {part: (fused, i) for fused, parts in getattr(vllm_model, "packed_modules_mapping", {}).items()
-               for i, part in enumerate(parts)}
-    parent, _, last = layer.rpartition(".")
-    fused, index = part_of.get(last, (last, 0))
-    module = vllm_model.get_submodule(f"{parent}.{fused}")
+    fused, index = fused_module(vllm_model, layer)
+    module, index = vllm_model.get_submodule(fused), index or 0
     got_a, got_b = module.lora_a_stacked[index][slot, 0], module.lora_b_stacked[index][slot, 0]
     a, b = a.to(got_a.device, got_a.dtype), b.to(got_b.device, got_b.dtype) * scaling
     if hasattr(module, "output_ids"):  # column-parallel parts: this rank's rows of B

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from sharding.lora import ADAPTER, adapter_weights, base_name, is_adapter_weight, is_lora_layer, merge
-from sharding.vllm_lora import adapter_slices, is_vllm_lora_layer, lora_base_names
+from sharding.lora import adapter_weights, base_name, is_adapter_weight, is_lora_layer, merge
+from sharding.vllm_lora import adapter_slices, fused_module, is_vllm_lora_layer, lora_base_names
 
 # Wrappers (activation checkpointing, FSDP1, torch.compile) that insert a level into parameter names.
 WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -155,15 +155,9 @@ def vllm_slices(vllm_model: torch.nn.Module, name: str, full: torch.Tensor):
                                                    QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    # e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    packed = getattr(vllm_model, "packed_modules_mapping", {})
-    part_of = {part: (fused, index) for fused, parts in packed.items() for index, part in enumerate(parts)}
     module_path, param_name = name.rsplit(".", 1)
-    parent, _, leaf = module_path.rpartition(".")
-    index = None
-    if leaf in part_of:
-        fused, index = part_of[leaf]
-        module_path = f"{parent}.{fused}" if parent else fused
+    leaf = module_path.rpartition(".")[2]
+    module_path, index = fused_module(vllm_model, module_path)  # q_proj: part 0 of qkv_proj
     module = vllm_model.get_submodule(module_path)
     if is_vllm_lora_layer(module):  # vLLM's LoRA wrapper: the weights are its base layer's
         module, module_path = module.base_layer, f"{module_path}.base_layer"
@@ -207,12 +201,11 @@ def compared_slices(model: torch.nn.Module, vllm_model: torch.nn.Module, dtype: 
         yield name, *vllm_slices(vllm_model, name, full)
     if lora_slot is None:
         return
-    adapters = adapter_tensors(model, torch.float32)
-    for layer, module in model.named_modules():
+    for layer, module in model.named_modules():  # the same order on every rank: each A and B gathered in turn
         if is_lora_layer(module):
-            layer = hf_name(layer)
-            a, b = adapters[f"{layer}.lora_A.{ADAPTER}.weight"], adapters[f"{layer}.lora_B.{ADAPTER}.weight"]
-            yield f"{layer} adapter", None, adapter_slices(vllm_model, lora_slot, layer, a, b, module.scaling[ADAPTER])
+            layer, (a, b, scaling) = hf_name(layer), adapter_weights(module)
+            a, b = (full_tensor(p, torch.float32) for p in (a, b))
+            yield f"{layer} adapter", None, adapter_slices(vllm_model, lora_slot, layer, a, b, scaling)
 
 
 @torch.no_grad()

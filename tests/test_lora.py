@@ -351,7 +351,7 @@ def test_the_adapter_check_reads_vllm_lora_layout():
     """Qwen2 with 4 query heads, 1 kv head of 8 dims, hidden 32, MLP 64, on tensor-parallel rank 1 of 2 (the kv head
     shared by both ranks): every adapter in the slot equals the trainer's slice; one wrong element, anywhere, is
     found; and the base weights' names go under vLLM's wrappers."""
-    from sharding.vllm_lora import adapter_slices, lora_base_names, vllm_max_rank
+    from sharding.vllm_lora import adapter_slices, fused_module, lora_base_names, vllm_max_rank
 
     r, s, t = 4, 2.0, 1
     g = torch.Generator().manual_seed(0)
@@ -384,6 +384,8 @@ def test_the_adapter_check_reads_vllm_lora_layout():
         buffer[where] += 1
         assert len(mismatches()) == 1, (fused, which)
         buffer[where] = kept
+    assert fused_module(vllm, "layer.k_proj") == ("layer.qkv_proj", 1) and fused_module(vllm, "up_proj") == (
+        "gate_up_proj", 1) and fused_module(vllm, "layer.o_proj") == ("layer.o_proj", None)
     rename = lora_base_names(vllm)
     assert rename("layer.k_proj.weight") == "layer.k_proj.base_layer.weight"
     assert rename("layer.down_proj.weight") == "layer.down_proj.base_layer.weight"

@@ -341,9 +341,9 @@ class Checkpoints:
         probes = {"probes": self.probes} if self.probes else {}  # texts the saved tokenizer must encode the same
         if self.args.save_every and step % self.args.save_every == 0 or step == self.args.steps:
             with self.timer("save"), self.on_gpu():
+                dtype = checkpoint_dtype(self.args.model)
                 for subdir, model in self.exports.items():
                     path, lora = os.path.join(self.run_dir.path, f"hf_step_{step}", subdir), bool(lora_layers(model))
-                    dtype = checkpoint_dtype(self.args.model)
                     save_hf_checkpoint(model, self.tokenizer, path, dtype, adapter=lora, **probes)
                     if lora and self.args.export_merged:
                         save_hf_checkpoint(model, self.tokenizer, os.path.join(path, "merged"), dtype, **probes)

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from sharding.lora import is_lora_layer, is_trained_weight
+
 LORA_LR_SCALE = 10  # an unset --lr with LoRA: this times full fine-tuning's default (see the module docstring)
 
 
@@ -85,7 +87,6 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
     """The names of the linear layers inside the model's decoder layers (q_proj, k_proj, ..., down_proj), sorted; an
     adapted one counts once, by its own name."""
     from common.train.model import decoder_layers
-    from sharding.lora import is_lora_layer
     return sorted({name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, module in layer.named_modules()
                    if (isinstance(module, torch.nn.Linear) or is_lora_layer(module))
                    and ".base_layer" not in name and ".lora_" not in name})
@@ -112,7 +113,7 @@ def add_lora(model: torch.nn.Module, args, seed: int, heads: tuple[str, ...] = (
                                            lora_dropout=0.0, bias="none"), model)
     model.requires_grad_(False)
     for name, param in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name or name.split(".", 1)[0] in heads:
+        if is_trained_weight(name, heads):
             param.requires_grad_(True)
     config = model.peft_config["default"]  # what the exports write: the base model, the task, the value head
     config.base_model_name_or_path = model.name_or_path or None
@@ -123,7 +124,6 @@ def add_lora(model: torch.nn.Module, args, seed: int, heads: tuple[str, ...] = (
 
 def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """peft's adapted layers of the model (none without LoRA)."""
-    from sharding.lora import is_lora_layer
     return [module for module in model.modules() if is_lora_layer(module)]
 
 

@@ -84,13 +84,13 @@ def heads_to_sequence(x: torch.Tensor) -> torch.Tensor:
     tokens, in the row's order."""
     tokens, heads, d = x.shape
     chunks = x.reshape(tokens, _size, heads // _size, d).transpose(0, 1)  # [N, tokens, heads / N, d]: by head group
-    return _AllToAll.apply(chunks.contiguous()).reshape(_size * tokens, heads // _size, d)  # from each rank, in order
+    return _AllToAll.apply(chunks).reshape(_size * tokens, heads // _size, d)  # from each rank, in order
 
 
 def sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
     """The inverse of heads_to_sequence: [row tokens, heads / N, d] -> [tokens of this rank, heads, d]."""
     total, heads, d = x.shape
-    chunks = _AllToAll.apply(x.reshape(_size, total // _size, heads, d).contiguous())  # [N, tokens, heads / N, d]
+    chunks = _AllToAll.apply(x.reshape(_size, total // _size, heads, d))  # [N, tokens, heads / N, d]
     return chunks.transpose(0, 1).reshape(total // _size, _size * heads, d)
 
 
@@ -109,8 +109,8 @@ def local_part(packed: dict, index: torch.Tensor) -> tuple[dict, torch.Tensor, t
     if pad:
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + pad])])
     start = _rank * chunk
-    counts = [int(((index >= r * chunk) & (index < (r + 1) * chunk)).sum()) for r in range(_size)]
-    mine = (index >= start) & (index < start + chunk)
+    owner = index // chunk  # the rank whose slice holds each position of `index`
+    counts, mine = torch.bincount(owner, minlength=_size).tolist(), owner == _rank
     local = {"input_ids": input_ids[:, start:start + chunk], "position_ids": position_ids[:, start:start + chunk],
              "cu_seqlens": cu_seqlens, "max_seqlen": max(packed["max_seqlen"], pad)}
     return local, index[mine] - start, mine, counts
