@@ -18,9 +18,19 @@ Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time
 memory for each, as JSON to --out; --profile writes a torch.profiler summary of one step per mode.
 Shapes: Qwen2.5's (0.5b, 1.5b, 7b) and SmolLM2-135M's (135m).
 
+Long sequences: --lengths 8192 16384 32768 runs, for each length, steps of --num-samples sequences of exactly that
+many tokens (a --prompt-len prompt and the rest response), each micro-batch one sequence, the model built once per
+shape. --sequence-parallel N splits each row over N ranks (common/train/sequence_parallel.py: groups of N consecutive
+ranks see the same batches; tokens/s and MFU are per GPU); --lora-rank R trains rank-R adapters on a frozen base
+(common/train/lora.py), for a model whose full fine-tuning does not fit. Each result holds the first step's loss,
+which is the same for every N (same weights, same batch), and an MFU that also counts attention's FLOPs
+(6 x layers x hidden x length^2 per causal sequence, hidden = heads x head size, forward and backward), which at 32k is no longer small.
+
     python scripts/bench_train.py --out benchmarks/results/train_packing_1gpu.json
     python scripts/bench_train.py --tiny        # CPU smoke test, seconds
     torchrun --nproc_per_node 2 scripts/bench_train.py --shapes 7b --modes compiled --max-tokens 8192
+    torchrun --nproc_per_node 2 scripts/bench_train.py --shapes 7b --lengths 16384 32768 --sequence-parallel 2 \
+        --activation-checkpointing --num-samples 1 --modes packed
 """
 
 import argparse
@@ -40,7 +50,9 @@ from common.run.distributed import init_distributed  # noqa: E402
 from common.run.perf import mfu, peak_flops  # noqa: E402
 from common.train.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
 from common.train.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
+from common.train.lora import add_lora, flop_weighted_params  # noqa: E402
 from common.train.model import compile_model, shard_model, token_logprobs  # noqa: E402
+from common.train.sequence_parallel import init_sequence_parallel, sequence_parallel_size  # noqa: E402
 from scripts.random_model import SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402
 
 # Besides Qwen2.5's architectures and a tiny one for CPU smoke tests (scripts/random_model.py): SmolLM2-135M's.
@@ -55,19 +67,22 @@ PADDED_MICRO_BATCH = {"135m": 8, "0.5b": 4, "1.5b": 2, "7b": 1, "tiny": 4}
 
 def sample_batch(num_samples: int, prompt_len: int, median: int, sigma: float, cap: int, vocab: int,
                  seed: int) -> list[dict]:
-    """Random prompt + response token ids, the response length lognormal around `median`, and an advantage each."""
+    """Random prompt + response token ids, the response length lognormal around `median` (sigma 0: exactly
+    `median`), and an advantage each."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.exp(math.log(median) + sigma * torch.randn(num_samples, generator=g)).round().clamp(1, cap)
+    if sigma == 0:
+        lengths = torch.full((num_samples,), median)
     return [dict(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
                  response_ids=torch.randint(0, vocab, (int(n),), generator=g).tolist(),
                  advantage=float(torch.randn(1, generator=g))) for n in lengths]
 
 
 def packed_step(model, optimizer, samples, max_tokens: int, chunk_tokens: int, device,
-                host_syncs: int = 0) -> list[list[int]]:
+                host_syncs: int = 0) -> tuple[list[list[int]], torch.Tensor]:
     lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     num_scored = sum(len(s["response_ids"]) for s in samples)
-    plan = plan_micro_batches(lengths, max_tokens)
+    plan, total = plan_micro_batches(lengths, max_tokens), torch.zeros((), device=device)
     for mb in plan:
         mb_samples = [samples[i] for i in mb]
         packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in mb_samples],
@@ -77,15 +92,16 @@ def packed_step(model, optimizer, samples, max_tokens: int, chunk_tokens: int, d
             torch.tensor(packed["num_scored"])).to(device)
         loss = -(logprobs * advantages).sum() / num_scored
         loss.backward()
+        total += loss.detach()
         for _ in range(host_syncs):  # each waits for the GPU to finish everything queued so far
             loss.item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return plan
+    return plan, total
 
 
 def padded_step(model, optimizer, samples, micro_batch: int, device) -> list[list[int]]:
-    num_scored = sum(len(s["response_ids"]) for s in samples)
+    num_scored, total = sum(len(s["response_ids"]) for s in samples), 0.0
     plan = [list(range(start, min(start + micro_batch, len(samples)))) for start in range(0, len(samples), micro_batch)]
     for mb in plan:
         seqs = [samples[i]["prompt_ids"] + samples[i]["response_ids"] for i in mb]
@@ -98,22 +114,25 @@ def padded_step(model, optimizer, samples, micro_batch: int, device) -> list[lis
             ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
             weights[row, p - 1:len(seq) - 1] = samples[i]["advantage"]
         logprobs, _ = token_logprobs(model, ids.to(device), mask.to(device), temperature=1.0)  # [batch, seq - 1]
-        (-(logprobs * weights.to(device)).sum() / num_scored).backward()
+        loss = -(logprobs * weights.to(device)).sum() / num_scored
+        loss.backward()
+        total = total + loss.detach()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return plan
+    return plan, total
 
 
-def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]], args, device) -> dict:
+def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]], args, device,
+             max_tokens: int) -> dict:
     """The first batch warms up (allocator, kernels); the others are timed. OOM is reported, not raised."""
     def step(samples):
         if mode != "padded":
-            return packed_step(model, optimizer, samples, args.max_tokens[shape], args.chunk_tokens, device,
+            return packed_step(model, optimizer, samples, max_tokens, args.chunk_tokens, device,
                                host_syncs=5 if mode == "synced" else 0)
         return padded_step(model, optimizer, samples, args.padded_micro_batch[shape], device)
 
     try:
-        step(batches[0])
+        first_loss = float(step(batches[0])[1])  # before any update: the same for every --sequence-parallel
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -128,7 +147,7 @@ def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]],
             write_profile(prof, f"{args.profile}_{shape}_{mode}.txt", device)
         for samples in batches[1:]:
             start = time.perf_counter()
-            plan = step(samples)
+            plan = step(samples)[0]
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
@@ -138,9 +157,17 @@ def run_mode(mode: str, shape: str, model, optimizer, batches: list[list[dict]],
     except torch.OutOfMemoryError as e:
         optimizer.zero_grad(set_to_none=True)
         return {"error": f"out of memory: {str(e).splitlines()[0]}"}
-    num_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the full size; tied head once
-    result = {"tokens_per_s": tokens / seconds, "step_s": seconds / len(metrics),
-              "mfu": mfu(num_params, tokens, seconds, peak_flops(device)),
+    # DTensor.numel() is the full size; tied head once; a LoRA model's frozen base at 4 of 6 FLOPs a token
+    num_params = flop_weighted_params([model])[1]
+    sp = sequence_parallel_size()  # a group of sp GPUs processes each token once: per GPU, tokens / sp
+    config = model.config
+    attention = sum(6 * config.num_hidden_layers * config.hidden_size * n**2
+                    for samples in batches[1:] for n in (len(s["prompt_ids"]) + len(s["response_ids"])
+                                                         for s in samples))  # causal: half the QK^T and PV work
+    dense, peak = mfu(num_params, tokens, seconds, peak_flops(device), num_gpus=sp), peak_flops(device)
+    result = {"tokens_per_s": tokens / seconds / sp, "step_s": seconds / len(metrics), "mfu": dense,
+              "mfu_with_attention": dense + attention / seconds / peak / sp if dense is not None else None,
+              "first_loss": first_loss,
               "padding_frac": sum(m["batch/padding_frac"] for m in metrics) / len(metrics),
               "micro_batches_per_step": sum(m["batch/micro_batches_per_rank"] for m in metrics) / len(metrics),
               "tokens_per_micro_batch": sum(m["batch/tokens_per_micro_batch"] for m in metrics) / len(metrics),
@@ -198,11 +225,30 @@ def bench_shape(shape: str, args, device) -> dict:
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = add_lora(model, args, seed=0)
     model = shard_model(model, device, args.activation_checkpointing, precision=args.precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    batches = [sample_batch(args.num_samples, args.prompt_len, args.median_response, args.sigma, args.max_response,
-                            config.vocab_size, seed=step) for step in range(args.steps + 1)]
-    results = {"num_params": sum(p.numel() for p in model.parameters())}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    results = {"num_params": sum(p.numel() for p in model.parameters()),
+               "trained_params": flop_weighted_params([model])[0]}
+    if args.lengths:  # single sequences of each length, the same model
+        for length in args.lengths:
+            batches = [sample_batch(args.num_samples, args.prompt_len, length - args.prompt_len, 0.0, length,
+                                    config.vocab_size, seed=step) for step in range(args.steps + 1)]
+            results[str(length)] = run_modes(shape, model, optimizer, batches, args, device, length)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    else:
+        batches = [sample_batch(args.num_samples, args.prompt_len, args.median_response, args.sigma,
+                                args.max_response, config.vocab_size, seed=step) for step in range(args.steps + 1)]
+        results.update(run_modes(shape, model, optimizer, batches, args, device, args.max_tokens[shape]))
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def run_modes(shape: str, model, optimizer, batches: list[list[dict]], args, device, max_tokens: int) -> dict:
+    results = {}
     order = ["packed", "padded", "synced", "compiled_layers", "compiled"]  # compiling changes the model: last
     for mode in sorted(args.modes, key=order.index):
         if mode.startswith("compiled"):  # packed, with each decoder layer compiled from here on
@@ -215,17 +261,16 @@ def bench_shape(shape: str, args, device) -> dict:
             model.set_attn_implementation(args.packed_attention)
         else:
             model.set_attn_implementation("sdpa")
-        results[mode] = run_mode(mode, shape, model, optimizer, batches, args, device)
-        print(f"{shape} {mode}: {json.dumps(results[mode])}", flush=True)
+        results[mode] = run_mode(mode, shape, model, optimizer, batches, args, device, max_tokens)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        print(f"{shape} {mode} (rows of up to {max_tokens} tokens): {json.dumps(results[mode])}", flush=True)
     if "tokens_per_s" in results.get("packed", {}) and "tokens_per_s" in results.get("padded", {}):
         results["packed_speedup"] = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
     for base, mode, name in (("packed", "synced", "synced_over_packed"), ("packed", "compiled", "compiled_speedup"),
                              ("compiled_layers", "compiled", "compiled_head_speedup")):  # tokens/s ratios
         if "tokens_per_s" in results.get(base, {}) and "tokens_per_s" in results.get(mode, {}):
             results[name] = results[mode]["tokens_per_s"] / results[base]["tokens_per_s"]
-    del model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return results
 
 
@@ -252,6 +297,13 @@ def main():
     parser.add_argument("--padded-micro-batch", type=int, default=None,
                         help=f"padded: samples per micro-batch (default per shape: {PADDED_MICRO_BATCH})")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="TOKENS",
+                        help="long sequences: steps of --num-samples sequences of exactly TOKENS tokens each, one "
+                             "micro-batch each (the token budget is the length), for each length in turn")
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                        help="split each packed row over N ranks (groups of N consecutive ranks)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base")
+    parser.add_argument("--lora-alpha", type=float, default=32.0)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                         help="GPU compute dtype of the step (master weights stay fp32); MFU is against the bf16 peak")
     parser.add_argument("--profile", default=None, metavar="PREFIX",
@@ -268,7 +320,9 @@ def main():
 
     # Micro-batches of varying sizes fragment the caching allocator's fixed segments.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    args.lora_targets = None  # every linear layer of attention and MLP
     rank, world, device = init_distributed()
+    init_sequence_parallel(args.sequence_parallel)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus": world,
               "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args),
               "results": {shape: bench_shape(shape, args, device) for shape in args.shapes}}

@@ -23,6 +23,16 @@
 #   bash scripts/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
 #                                                        # (SHAPE=7b SCRATCH=/dev/shm ... dpo OUT 0,1: 7B over 2 GPUs)
+#   bash scripts/gpu_checks.sh long OUTDIR [GPUS]        # grpo.py at the 1.5B shape, long-tailed responses of mean ~2k
+#                                                        # tokens capped at 8,192, 16 prompts x 8, at the defaults: the
+#                                                        # planner's start-up choice, tokens/s, MFU, memory, stages;
+#                                                        # then --no-activation-checkpointing with 64k-token micro-
+#                                                        # batches: the one-line out-of-memory report (SKIP_OOM=1:
+#                                                        # not; EXTRA: e.g. --sequence-parallel 2 over GPUS 0,1)
+#   bash scripts/gpu_checks.sh train-long OUTDIR [GPUS] [SP]  # bench_train.py at the 7B shape on single sequences
+#                                                        # of 8k-64k tokens (LENGTHS), with and without activation
+#                                                        # checkpointing, full fine-tuning and LoRA rank 32 (LORA),
+#                                                        # --sequence-parallel SP (default 1) over GPUS
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
 # mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
 # together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
@@ -42,7 +52,7 @@ def reward(prompt, completion, answer):
 PY
 shape=${SHAPE:-$([ "$mode" = dpo ] && echo 1.5b || echo 0.5b)}
 model=/tmp/qwen${shape}_$mode  # one per mode: modes may run side by side on one machine
-case $mode in 7b|lora*) ;; *) python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
+case $mode in 7b|lora*|long|train-long) ;; *) python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
 SMALL="--model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
 GRPO="grpo.py $SMALL"
@@ -209,4 +219,38 @@ if [ "$mode" = dpo ]; then
     --max-len 1024 --max-tokens-per-micro-batch 8192 --ref-cache /tmp/dpo_ref_cache_$mode --skip-start-check \
     --save-state-every 0 --resume none --overwrite --output-dir "${SCRATCH:-/tmp}/dpo_$mode" $EXTRA
   summary $name "${SCRATCH:-/tmp}/dpo_$mode"
+fi
+if [ "$mode" = long ]; then
+  # The run of issue 37 (a new user's first long-response run): step 1 took 56 s at a 76 GB peak and step 2 died of
+  # out-of-memory at the defaults before the planner chose activation checkpointing at start-up.
+  [ -d /tmp/qwen1.5b_stop2000 ] || python3 scripts/random_model.py --shape 1.5b --stop-every 2000 \
+    --out /tmp/qwen1.5b_stop2000 || exit 1
+  python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_async; print(bench_async.REWARD)" \
+    > /tmp/long_reward.py || exit 1
+  g=${3:-0}; n=$(count "$g"); name=grpo_long_1.5b_${n}gpu
+  LONG="grpo.py --model /tmp/qwen1.5b_stop2000 --reward-fn /tmp/long_reward.py:reward --skip-reward-check
+    --max-response-len 8192 --prompts-per-step 16 --group-size 8 --eval-every 0 --eval-size 16 --rollout-engine vllm
+    --save-state-every 0 --resume none --overwrite"
+  run $name 560 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps ${STEPS:-5} --output-dir /tmp/$name $EXTRA
+  grep -E "^planner|activation" "$out/$name.log" | cut -c1-300
+  summary $name /tmp/$name
+fi
+if [ "$mode" = long ] && [ -z "${SKIP_OOM:-}" ]; then
+  g=${3:-0}; n=$(count "$g"); name=grpo_long_oom_${n}gpu
+  run $name 300 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps 1 --rollout-eager \
+    --no-activation-checkpointing --max-tokens-per-micro-batch 65536 --output-dir /tmp/$name $EXTRA
+  echo "$name: $(grep -c Traceback "$out/$name.log") tracebacks; the lines naming the out-of-memory:"
+  grep -i "out of GPU memory\|OutOfMemory" "$out/$name.log" | cut -c1-600
+fi
+if [ "$mode" = train-long ]; then
+  g=${3:-0}; n=$(count "$g"); sp=${4:-1}
+  for lora in ${LORA:-0 32}; do
+    for ac in "" --activation-checkpointing; do
+      name=train_7b_long_${n}gpu_sp${sp}_lora${lora}${ac:+_ac}
+      run $name 300 $g torchrun --standalone --nproc_per_node "$n" scripts/bench_train.py --shapes 7b --modes packed \
+        --num-samples 1 --steps 2 --lengths ${LENGTHS:-8192 16384 32768 65536} --sequence-parallel "$sp" \
+        --lora-rank "$lora" $ac --out "$out/$name.json"
+      grep -E "^7b packed" "$out/$name.log" | cut -c1-260
+    done
+  done
 fi

@@ -18,7 +18,8 @@
 #                      warmup steps) and one change each (the loss normaliser, Adam's beta2, TIS, no warmup, no
 #                      gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
 #   lora-grpo          scripts/ablate.py: grpo-addition with full fine-tuning (lr 1e-5) and with LoRA rank 32 at lr
-#                      1e-4 and 3e-4, seeds 1 and 2, all at once on one GPU
+#                      1e-4 and 3e-4, seeds 1 and 2 (SEEDS), PARALLEL at once on one GPU, all in micro-batches of 8k
+#                      tokens (the same update as 16k's in about half the memory, so that more runs share a GPU)
 #   lora-dpo-hh        dpo-hh with LoRA rank 32 (lr 5e-5, 10x dpo-hh's); dpo-hh itself is the full fine-tuning run
 #   calculator-warmup  dpo.py on scripts/make_multiplication.py's pairs (a calculator call over a wrong direct answer,
 #                      1,024 pairs, 64 held out, one epoch, --sft-weight 1): SmolLM2 never calls a tool by itself
@@ -71,7 +72,7 @@ case $recipe in
                    --variant no-grad-clip="--max-grad-norm 1e9" --variant fp32="--precision fp32" "$@" ;;
   lora-grpo) exec python scripts/ablate.py --out "$out" --seeds ${SEEDS:-1 2} --parallel "${PARALLEL:-6}" --base \
                    "grpo.py $(printf '%q ' "${addition[@]}") --prompts-per-step 32 --group-size 8 --steps 30 \
-                   --rollout-gpu-memory 4 --rollout-eager" --variant full="--lr 1e-5" \
+                   --rollout-gpu-memory 4 --rollout-eager --max-tokens-per-micro-batch 8192" --variant full="--lr 1e-5" \
                    --variant lora-1e-4="--lora-rank 32 --lr 1e-4" --variant lora-3e-4="--lora-rank 32 --lr 3e-4" "$@" ;;
   lora-dpo-hh) exec "${run[@]}" dpo.py --model "$model" --dataset "$hh" --eval-size 312 --lr 5e-5 --lora-rank 32 \
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
