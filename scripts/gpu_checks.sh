@@ -27,8 +27,8 @@
 #                                                        # tokens capped at 8,192, 16 prompts x 8, at the defaults: the
 #                                                        # planner's start-up choice, tokens/s, MFU, memory, stages;
 #                                                        # then --no-activation-checkpointing with 64k-token micro-
-#                                                        # batches: the one-line out-of-memory report (SKIP_OOM=1:
-#                                                        # not; EXTRA: e.g. --sequence-parallel 2 over GPUS 0,1)
+#                                                        # batches: the one-line out-of-memory report (RUNS="run"
+#                                                        # or "oom": one of them; EXTRA: e.g. --sequence-parallel 2)
 #   bash scripts/gpu_checks.sh train-long OUTDIR [GPUS] [SP]  # bench_train.py at the 7B shape on single sequences
 #                                                        # of 8k-64k tokens (LENGTHS), with and without activation
 #                                                        # checkpointing, full fine-tuning and LoRA rank 32 (LORA),
@@ -227,20 +227,23 @@ if [ "$mode" = long ]; then
     --out /tmp/qwen1.5b_stop2000 || exit 1
   python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_async; print(bench_async.REWARD)" \
     > /tmp/long_reward.py || exit 1
-  g=${3:-0}; n=$(count "$g"); name=grpo_long_1.5b_${n}gpu
+  g=${3:-0}; n=$(count "$g")
   LONG="grpo.py --model /tmp/qwen1.5b_stop2000 --reward-fn /tmp/long_reward.py:reward --skip-reward-check
     --max-response-len 8192 --prompts-per-step 16 --group-size 8 --eval-every 0 --eval-size 16 --rollout-engine vllm
     --save-state-every 0 --resume none --overwrite"
-  run $name 560 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps ${STEPS:-5} --output-dir /tmp/$name $EXTRA
-  grep -E "^planner|activation" "$out/$name.log" | cut -c1-300
-  summary $name /tmp/$name
-fi
-if [ "$mode" = long ] && [ -z "${SKIP_OOM:-}" ]; then
-  g=${3:-0}; n=$(count "$g"); name=grpo_long_oom_${n}gpu
-  run $name 300 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps 1 --rollout-eager \
-    --no-activation-checkpointing --max-tokens-per-micro-batch 65536 --output-dir /tmp/$name $EXTRA
-  echo "$name: $(grep -c Traceback "$out/$name.log") tracebacks; the lines naming the out-of-memory:"
-  grep -i "out of GPU memory\|OutOfMemory" "$out/$name.log" | cut -c1-600
+  if [[ " ${RUNS:-run oom} " == *" run "* ]]; then
+    name=grpo_long_1.5b_${n}gpu
+    run $name 560 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps ${STEPS:-5} --output-dir /tmp/$name $EXTRA
+    grep -E "^planner|activation" "$out/$name.log" | cut -c1-300
+    summary $name /tmp/$name
+  fi
+  if [[ " ${RUNS:-run oom} " == *" oom "* ]]; then
+    name=grpo_long_oom_${n}gpu
+    run $name 300 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps 1 --rollout-eager \
+      --no-activation-checkpointing --max-tokens-per-micro-batch 65536 --output-dir /tmp/$name $EXTRA
+    echo "$name: $(grep -c Traceback "$out/$name.log") tracebacks; the lines naming the out-of-memory:"
+    grep -i "out of GPU memory\|OutOfMemory" "$out/$name.log" | cut -c1-600
+  fi
 fi
 if [ "$mode" = train-long ]; then
   g=${3:-0}; n=$(count "$g"); sp=${4:-1}
@@ -248,7 +251,7 @@ if [ "$mode" = train-long ]; then
     for ac in "" --activation-checkpointing; do
       name=train_7b_long_${n}gpu_sp${sp}_lora${lora}${ac:+_ac}
       run $name 300 $g torchrun --standalone --nproc_per_node "$n" scripts/bench_train.py --shapes 7b --modes packed \
-        --num-samples 1 --steps 2 --lengths ${LENGTHS:-8192 16384 32768 65536} --sequence-parallel "$sp" \
+        --num-samples 1 --steps ${STEPS:-2} --lengths ${LENGTHS:-8192 16384 32768 65536} --sequence-parallel "$sp" \
         --lora-rank "$lora" $ac --out "$out/$name.json"
       grep -E "^7b packed" "$out/$name.log" | cut -c1-260
     done
