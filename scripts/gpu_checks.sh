@@ -31,8 +31,13 @@
 #                                                        # or "oom": one of them; EXTRA: e.g. --sequence-parallel 2)
 #   bash scripts/gpu_checks.sh train-long OUTDIR [GPUS] [SP]  # bench_train.py at the 7B shape on single sequences
 #                                                        # of 8k-64k tokens (LENGTHS), with and without activation
-#                                                        # checkpointing, full fine-tuning and LoRA rank 32 (LORA),
+#                                                        # checkpointing (CHECKPOINTING="off on"), full fine-tuning
+#                                                        # and LoRA rank 32 (LORA="0 32"),
 #                                                        # --sequence-parallel SP (default 1) over GPUS
+#   bash scripts/gpu_checks.sh hsdp OUTDIR [GPUS]        # grpo at SHAPE (1.5b for issue 41) over GPUS (default 0,1),
+#                                                        # 6 steps replicated (--shard-size 1) and sharded (--shard-size
+#                                                        # N), every sync checked; then the sharded run's state of step 3
+#                                                        # resumed replicated: steps 4-6 beside the uninterrupted run's
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
 # mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
 # together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
@@ -248,7 +253,8 @@ fi
 if [ "$mode" = train-long ]; then
   g=${3:-0}; n=$(count "$g"); sp=${4:-1}
   for lora in ${LORA:-0 32}; do
-    for ac in "" --activation-checkpointing; do
+    for checkpointing in ${CHECKPOINTING:-off on}; do
+      ac=$([ "$checkpointing" = on ] && echo --activation-checkpointing)
       name=train_7b_long_${n}gpu_sp${sp}_lora${lora}${ac:+_ac}
       run $name 300 $g torchrun --standalone --nproc_per_node "$n" scripts/bench_train.py --shapes 7b --modes packed \
         --num-samples 1 --steps ${STEPS:-2} --lengths ${LENGTHS:-8192 16384 32768 65536} --sequence-parallel "$sp" \
@@ -256,4 +262,29 @@ if [ "$mode" = train-long ]; then
       grep -E "^7b packed" "$out/$name.log" | cut -c1-260
     done
   done
+fi
+if [ "$mode" = hsdp ]; then
+  g=${3:-0,1}; n=$(count "$g")
+  for k in 1 $n; do
+    run grpo_${shape}_${n}gpu_shard$k 300 $g torchrun --standalone --nproc_per_node "$n" $GRPO --shard-size $k --steps 6 \
+      --save-state-every 3 --eval-every 0 --rollout-eager --output-dir /tmp/hsdp_$k $EXTRA
+  done
+  run grpo_${shape}_${n}gpu_shard${n}_resumed_shard1 300 $g torchrun --standalone --nproc_per_node "$n" $GRPO \
+    --shard-size 1 --steps 6 --save-state-every 3 --eval-every 0 --rollout-eager --resume /tmp/hsdp_$n/state_3 \
+    --output-dir /tmp/hsdp_resumed $EXTRA
+  python3 - /tmp/hsdp_1 /tmp/hsdp_$n /tmp/hsdp_resumed <<'PY' | tee "$out/hsdp_${shape}_${n}gpu_summary.txt"
+import json, statistics, sys
+for path in sys.argv[1:]:
+    rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
+    steps = [r for r in rows if "time/step" in r]
+    print(path, "| loss by step:", " ".join(f"{r['step']}:{r.get('loss/policy', float('nan')):.5f}" for r in steps),
+          "| reward by step:", " ".join(f"{r['step']}:{r.get('reward/mean', float('nan')):.3f}" for r in steps))
+    later = [r for r in steps if r["step"] >= 2]
+    if later:
+        print(f"  median of steps 2+: {statistics.median(r['time/step'] for r in later):.2f} s a step, update "
+              f"{statistics.median(r.get('time/update', 0) for r in later):.2f} s, peak "
+              f"{max(r.get('perf/peak_memory_gb', 0) for r in steps):.1f} GB, sync checks "
+              f"{sum(1 for r in steps if 'time/check_sync' in r)}")
+PY
+  for d in 1 $n resumed; do cp /tmp/hsdp_$d/metrics.jsonl "$out/hsdp_${shape}_${n}gpu_$d.jsonl"; done
 fi
