@@ -270,7 +270,7 @@ if [ "$mode" = hsdp ]; then
       --save-state-every 3 --eval-every 0 --rollout-eager --output-dir /tmp/hsdp_$k $EXTRA
   done
   run grpo_${shape}_${n}gpu_shard${n}_resumed_shard1 300 $g torchrun --standalone --nproc_per_node "$n" $GRPO \
-    --shard-size 1 --steps 6 --save-state-every 3 --eval-every 0 --rollout-eager --resume /tmp/hsdp_$n/state_3 \
+    --shard-size 1 --steps 6 --save-state-every 3 --eval-every 0 --rollout-eager --resume /tmp/hsdp_$n/state_000003 \
     --output-dir /tmp/hsdp_resumed $EXTRA
   python3 - /tmp/hsdp_1 /tmp/hsdp_$n /tmp/hsdp_resumed <<'PY' | tee "$out/hsdp_${shape}_${n}gpu_summary.txt"
 import json, statistics, sys
