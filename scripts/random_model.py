@@ -1,5 +1,5 @@
-"""Random-weight models at real Qwen2.5 shapes, for GPU runs and benchmarks where no hub can be reached (and a
-tiny one, for CPU smoke tests of the scripts that make those runs).
+"""Random-weight models at real Qwen2.5 shapes and mixture-of-experts ones (Qwen3-MoE, OLMoE), for GPU runs and
+benchmarks where no hub can be reached (and tiny ones, for CPU smoke tests of the scripts that make those runs).
 
     python scripts/random_model.py --shape 0.5b --out /tmp/qwen0.5b
     torchrun --nproc_per_node 1 grpo.py --model /tmp/qwen0.5b --lr 1e-6 ...
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
 # Qwen2.5 architectures: hidden size, MLP size, layers, query heads, kv heads, vocabulary, tied embeddings.
 SHAPES = {
@@ -28,10 +28,38 @@ SHAPES = {
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
+# Mixture-of-experts architectures (sharding/vllm_moe.py maps both into vLLM): experts, experts per token, and each
+# expert's MLP size (moe_intermediate_size in Qwen3-MoE, intermediate_size in OLMoE). Parameters in all / active.
+MOE_SHAPES = {
+    "qwen3-moe-tiny": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=2, vocab_size=4096)),
+    "olmoe-tiny": ("olmoe", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=4096)),
+    # OLMoE-1B-7B-0924's config: 6.9B / 1.3B.
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                                  num_experts_per_tok=8, vocab_size=50304, rope_theta=1e4,
+                                  max_position_embeddings=4096)),
+    # Qwen3-30B-A3B's config: 30.5B / 3.3B.
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960)),
+}
 
 
 def qwen2_config(shape: str) -> Qwen2Config:
     return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+
+
+def model_config(shape: str):
+    """The transformers config of any --shape (untied embeddings for the MoE ones, as their checkpoints have)."""
+    if shape in SHAPES:
+        return qwen2_config(shape)
+    model_type, sizes = MOE_SHAPES[shape]
+    return AutoConfig.for_model(model_type, **sizes, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                                pad_token_id=None)  # save_random_model sets them from its tokenizer
 
 
 def full_vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -48,7 +76,7 @@ def save_random_model(shape: str, out: str, stop_every: int = 0) -> None:
     """stop_every N > 0: generation_config lists one filler token in N as an end-of-sequence token besides <eos>.
     A random model samples about uniformly, so its responses then end after about N tokens: geometric lengths,
     a long tail up to --max-response-len, as RL rollouts have."""
-    config = qwen2_config(shape)
+    config = model_config(shape)
     tokenizer = full_vocab_tokenizer(config.vocab_size)
     config.eos_token_id, config.pad_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,7 +91,7 @@ def save_random_model(shape: str, out: str, stop_every: int = 0) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="0.5b")
     parser.add_argument("--out", required=True, help="directory to write")
     parser.add_argument("--stop-every", type=int, default=0,
                         help="make one token in N a stop token: responses of about N tokens, long-tailed (0: off)")

@@ -7,6 +7,8 @@ and never a whole state dict. The check recomputes, on every rank, the slice vLL
 element by element with what vLLM actually holds. A LoRA model's adapted layers go as their merged weights
 W + s B A (sharding/lora.py), under the base checkpoint's names: vLLM, like the check, sees the base architecture;
 or, into a vLLM with LoRA layers of its own (sharding/vllm_lora.py), the base alone, and the adapters apart.
+A mixture-of-experts layer's experts go as transformers' fused tensors, which vLLM's loader takes as they are for
+the families of sharding/vllm_moe.py (which also says where the check finds each expert).
 """
 
 import torch
@@ -16,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from sharding.lora import adapter_weights, base_name, is_adapter_weight, is_lora_layer, merge
 from sharding.vllm_lora import adapter_slices, fused_module, is_vllm_lora_layer, lora_base_names
+from sharding.vllm_moe import expert_slices, is_vllm_moe_layer
 
 # Wrappers (activation checkpointing, FSDP1, torch.compile) that insert a level into parameter names.
 WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -149,16 +152,21 @@ def vllm_slices(vllm_model: torch.nn.Module, name: str, full: torch.Tensor):
       along dim 1; a row-parallel bias is replicated.
     - embed_tokens / lm_head are split by vocabulary rows; rows past the real vocabulary (padding to a multiple
       of 64 per shard) must be zero.
+    - a mixture-of-experts layer's fused experts (gate_up_proj, down_proj) are sliced along the intermediate dim
+      in vLLM's fused-MoE layer (sharding/vllm_moe.py).
     - anything else (norms) is replicated and compared whole.
     """
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
     module_path, param_name = name.rsplit(".", 1)
     leaf = module_path.rpartition(".")[2]
     module_path, index = fused_module(vllm_model, module_path)  # q_proj: part 0 of qkv_proj
     module = vllm_model.get_submodule(module_path)
+    if is_vllm_moe_layer(module):
+        return expert_slices(module, module_path, param_name, full)
+
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
     if is_vllm_lora_layer(module):  # vLLM's LoRA wrapper: the weights are its base layer's
         module, module_path = module.base_layer, f"{module_path}.base_layer"
     local = getattr(module, param_name).data
@@ -222,7 +230,8 @@ def check_weight_sync(model: torch.nn.Module, vllm_model: torch.nn.Module, max_r
     of every LoRA buffer with the trainer's adapters.
 
     Limits: the layouts known are those of Qwen2/Llama-style dense decoders (fused qkv_proj and gate_up_proj,
-    column/row-parallel linears, vocab-parallel embeddings, replicated norms), unquantized, without pipeline
+    column/row-parallel linears, vocab-parallel embeddings, replicated norms) and the MoE families of
+    sharding/vllm_moe.py (vLLM's fused experts, tensor-parallel), unquantized, without pipeline or expert
     parallelism. A module of another kind raises NotImplementedError unless it holds the whole tensor.
     The check compares against vLLM's own layout rules, so it finds stale, missing, misnamed or wrongly placed
     weights (a sync that was skipped or overwritten by a wake-up), not a bug inside vLLM's loader; the log-prob

@@ -42,7 +42,9 @@ from common.run.logger import StageTimer
 from common.run.perf import memory_in_use
 from common.run.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested
 from common.train.logprobs import model_token_mask, use_packed_attention
-from common.train.model import compute_dtype, load_model, pick_precision, save_model_config, stop_token_ids
+from common.train.model import (compute_dtype, load_model, model_config, pick_precision, save_model_config,
+                                stop_token_ids)
+from sharding.vllm_moe import check_moe_mapped
 from sharding.vllm_sync import trainer_weights, weight_shapes
 
 
@@ -164,6 +166,8 @@ def check_rollout_args(args, num_trainers: int) -> None:
                          f"{args.rollout_ranks}")
     if args.async_rollout and not args.rollout_ranks:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
+    if args.rollout_engine == "vllm" and args.model is not None:  # a MoE family vLLM's experts cannot take
+        check_moe_mapped(model_config(args.model), args.model)
     if args.reward_fn is not None:  # (resolve_defaults sets it) a bad reward spec fails now, before any model loads
         load_reward_fn(args.reward_fn)
     if wants_episodes(args):  # a bad --env / --tools too, and a machine where the python tool has no sandbox

@@ -34,6 +34,7 @@ from transformers import AutoConfig
 
 from common.rollout.completion import Completion
 from sharding.vllm_lora import vllm_max_rank, write_adapter
+from sharding.vllm_moe import check_vllm_moe_layout
 from sharding.vllm_sync import adapter_tensors, check_weight_sync, sync_weights_to_vllm
 
 
@@ -142,6 +143,7 @@ class VLLMRolloutEngine:
         # graphs.
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.vllm_model = self.worker.get_model()
+        check_vllm_moe_layout(self.vllm_model)  # experts where the sync writes them, or one line now
         weight_bytes = self._allocated_bytes("weights")  # what level 0 keeps mapped
         self.sleep_level = default_sleep_level(weight_bytes, device_bytes, keep_weights=bool(lora)) \
             if sleep_level is None else sleep_level
