@@ -189,8 +189,7 @@ def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict
     pairs, gaps = [], []
     for start in range(0, len(samples), args.group_size):
         group = samples[start:start + args.group_size]
-        best = max(group, key=lambda s: s["score"])
-        worst = min(group, key=lambda s: s["score"])
+        best, worst = max(group, key=lambda s: s["score"]), min(group, key=lambda s: s["score"])
         if best["score"] > worst["score"]:
             masks = ({"chosen_mask": model_token_mask(best), "rejected_mask": model_token_mask(worst)}
                      if "response_mask" in best else {})  # multi-turn: the model's own tokens
@@ -226,8 +225,7 @@ def check_loss_args(loss_type: str, beta: float, label_smoothing: float = 0.0, s
 
 
 def preference_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, loss_type: str, beta: float,
-                    label_smoothing: float = 0.0, simpo_gamma: float = 0.0, chosen_lengths=None,
-                    rejected_lengths=None):
+                    label_smoothing: float = 0.0, simpo_gamma: float = 0.0, chosen_lengths=None, rejected_lengths=None):
     """Per-pair preference loss and the implicit rewards of both responses.
 
     policy_*, ref_*: summed log-probs of each response's tokens under the policy and the reference, [pairs]
@@ -310,8 +308,7 @@ def sft_loss(chosen_logps_sum, chosen_lengths):
     return -chosen_logps_sum / chosen_lengths
 
 
-def kto_loss(policy_logps, ref_logps, desirable, kl, beta: float, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0):
+def kto_loss(policy_logps, ref_logps, desirable, kl, beta: float, desirable_weight=1.0, undesirable_weight=1.0):
     """KTO's per-row loss (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306, eq. 8) and implicit rewards.
 
     policy_logps, ref_logps: summed log-probs of each row's completion, [rows]; desirable: bool, [rows]; kl: the
