@@ -48,13 +48,14 @@ from common.train.batching import plan_equal_micro_batches, share_samples_evenly
 from common.train.logprobs import model_token_mask
 from common.train.lora import LoraArgs, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
 from common.train.value_models import load_reward_model
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
@@ -362,7 +363,8 @@ def train_step(policy, optimizer, examples: list[dict], reference, args: Args, w
             (example_logps(policy, [])[0].sum() * 0.0).backward()
             continue
         losses, nll, stats = micro_batch_losses(policy, [examples[i] for i in mb], args, device, kl)
-        ((losses + args.sft_weight * nll).sum() / num_examples * world).backward()  # FSDP averages over ranks
+        # FSDP averages over ranks; an MoE policy's load-balancing loss (if on) is shared among its examples
+        ((losses + args.sft_weight * nll + router_aux_loss(policy, 1.0)).sum() / num_examples * world).backward()
         for key, value in {"loss": losses.sum().item(), "sft": nll.sum().item(), "examples": len(mb), **stats}.items():
             sums[key] += value
     grad_norm = clip_and_step(policy, optimizer, args.max_grad_norm)  # None: NaN/inf, the step is skipped
@@ -448,7 +450,8 @@ def main(args: Args):
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
     shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
-                                                       trainable, args.compile, args.precision, packed_rows=True)
+                                                       trainable, args.compile, args.precision, packed_rows=True,
+                                                       router_aux_loss_coef=trainable * args.router_aux_loss_coef)
     policy = shard(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), trainable=True)
     frozen = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
@@ -517,7 +520,7 @@ def main(args: Args):
         metrics.update(source.publish(step, stop))
 
         # 5. Log.
-        metrics.update(step_metrics(sums, args, world))
+        metrics.update({**step_metrics(sums, args, world), **router_metrics(policy, device)})  # MoE: expert load
         checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
         step_seconds = time.perf_counter() - step_start
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "time/step": step_seconds,
