@@ -12,8 +12,9 @@ Training runs under FSDP2 on packed token-budget micro-batches; rollouts come fr
 model itself (HF generate) on CPU, on every rank (colocated, the default) or on `--rollout-ranks K` ranks of their
 own (split placement), which with `--async-rollout` generate the next batch while the trainers train on this one,
 one update behind, corrected by truncated importance sampling (`--tis-cap`). Where samples come from is
-common/rollout/rollouts.py's business; this file is the algorithm. Left out on purpose: DAPO's dynamic sampling (refilling
-the batch with informative groups), overlong reward shaping.
+common/rollout/rollouts.py's business; this file is the algorithm. A mixture-of-experts policy trains the same way
+(common/train/moe.py: expert-load metrics, --router-aux-loss-coef, --routing-replay). Left out on purpose: DAPO's
+dynamic sampling (refilling the batch with informative groups), overlong reward shaping.
 
     torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\

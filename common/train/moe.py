@@ -30,8 +30,9 @@ class MoeArgs:
     router_aux_loss_coef: float = 0.0
     """weight of the routers' load-balancing loss (Switch Transformer's, as transformers computes it, per MoE layer
     and averaged over them) added to the policy loss; the pretraining value is the config's router_aux_loss_coef
-    (0.001 for Qwen3-30B-A3B). 0 (off) by default: RL's few small updates barely move the load, which the moe/ metrics
-    show, and the loss's gradient moves the routers for no reward, away from the routes the rollout engine takes"""
+    (0.001 for Qwen3-30B-A3B). 0 (off) by default: RL's updates are few and small next to pretraining's, the moe/
+    metrics show whether the load drifts, and the loss's gradient moves the routers for no reward, away from the
+    routes the rollout engine takes. It is a mean per micro-batch, so the update depends a little on the split"""
 
 
 @dataclass
@@ -64,7 +65,8 @@ def check_routing_replay(args, config) -> None:
 def no_known_router(config) -> str:
     if not is_moe(config):
         return f"the model has no experts (a dense {config.model_type} model)"
-    return f"{config.model_type} models route their experts in a way this code does not know (it knows {', '.join(ROUTERS)})"
+    return (f"{config.model_type} models route their experts in a way this code does not know (it knows "
+            f"{', '.join(ROUTERS)})")
 
 
 class RouterHooks:
@@ -95,7 +97,7 @@ class RouterHooks:
         if replayed:
             recorded = self.routes[layer]
             if len(recorded) != len(experts):
-                raise RuntimeError(f"routing replay: {len(recorded)} recorded routes for a pass of {len(experts)} tokens")
+                raise RuntimeError(f"routing replay: {len(recorded)} recorded routes for {len(experts)} tokens")
             given = recorded[:, :1] >= 0  # [tokens, 1]: a recorded route (else the router's own)
             own = experts
             experts = torch.where(given, recorded, experts)
