@@ -48,13 +48,14 @@ from common.train.batching import plan_equal_micro_batches, share_samples_evenly
 from common.train.logprobs import model_token_mask
 from common.train.lora import LoraArgs, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
 from common.train.value_models import load_reward_model
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
     dataset: str | None = None
@@ -189,8 +190,7 @@ def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict
     pairs, gaps = [], []
     for start in range(0, len(samples), args.group_size):
         group = samples[start:start + args.group_size]
-        best = max(group, key=lambda s: s["score"])
-        worst = min(group, key=lambda s: s["score"])
+        best, worst = max(group, key=lambda s: s["score"]), min(group, key=lambda s: s["score"])
         if best["score"] > worst["score"]:
             masks = ({"chosen_mask": model_token_mask(best), "rejected_mask": model_token_mask(worst)}
                      if "response_mask" in best else {})  # multi-turn: the model's own tokens
@@ -226,8 +226,7 @@ def check_loss_args(loss_type: str, beta: float, label_smoothing: float = 0.0, s
 
 
 def preference_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, loss_type: str, beta: float,
-                    label_smoothing: float = 0.0, simpo_gamma: float = 0.0, chosen_lengths=None,
-                    rejected_lengths=None):
+                    label_smoothing: float = 0.0, simpo_gamma: float = 0.0, chosen_lengths=None, rejected_lengths=None):
     """Per-pair preference loss and the implicit rewards of both responses.
 
     policy_*, ref_*: summed log-probs of each response's tokens under the policy and the reference, [pairs]
@@ -310,8 +309,7 @@ def sft_loss(chosen_logps_sum, chosen_lengths):
     return -chosen_logps_sum / chosen_lengths
 
 
-def kto_loss(policy_logps, ref_logps, desirable, kl, beta: float, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0):
+def kto_loss(policy_logps, ref_logps, desirable, kl, beta: float, desirable_weight=1.0, undesirable_weight=1.0):
     """KTO's per-row loss (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306, eq. 8) and implicit rewards.
 
     policy_logps, ref_logps: summed log-probs of each row's completion, [rows]; desirable: bool, [rows]; kl: the
@@ -365,7 +363,8 @@ def train_step(policy, optimizer, examples: list[dict], reference, args: Args, w
             (example_logps(policy, [])[0].sum() * 0.0).backward()
             continue
         losses, nll, stats = micro_batch_losses(policy, [examples[i] for i in mb], args, device, kl)
-        ((losses + args.sft_weight * nll).sum() / num_examples * world).backward()  # FSDP averages over ranks
+        # FSDP averages over ranks; an MoE policy's load-balancing loss (if on) is shared among its examples
+        ((losses + args.sft_weight * nll + router_aux_loss(policy, 1.0)).sum() / num_examples * world).backward()
         for key, value in {"loss": losses.sum().item(), "sft": nll.sum().item(), "examples": len(mb), **stats}.items():
             sums[key] += value
     grad_norm = clip_and_step(policy, optimizer, args.max_grad_norm)  # None: NaN/inf, the step is skipped
@@ -451,7 +450,8 @@ def main(args: Args):
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
     shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
-                                                       trainable, args.compile, args.precision, packed_rows=True)
+                                                       trainable, args.compile, args.precision, packed_rows=True,
+                                                       router_aux_loss_coef=trainable * args.router_aux_loss_coef)
     policy = shard(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), trainable=True)
     frozen = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
@@ -520,7 +520,7 @@ def main(args: Args):
         metrics.update(source.publish(step, stop))
 
         # 5. Log.
-        metrics.update(step_metrics(sums, args, world))
+        metrics.update({**step_metrics(sums, args, world), **router_metrics(policy, device)})  # MoE: expert load
         checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
         step_seconds = time.perf_counter() - step_start
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "time/step": step_seconds,

@@ -12,8 +12,9 @@ Training runs under FSDP2 on packed token-budget micro-batches; rollouts come fr
 model itself (HF generate) on CPU, on every rank (colocated, the default) or on `--rollout-ranks K` ranks of their
 own (split placement), which with `--async-rollout` generate the next batch while the trainers train on this one,
 one update behind, corrected by truncated importance sampling (`--tis-cap`). Where samples come from is
-common/rollout/rollouts.py's business; this file is the algorithm. Left out on purpose: DAPO's dynamic sampling (refilling
-the batch with informative groups), overlong reward shaping.
+common/rollout/rollouts.py's business; this file is the algorithm. A mixture-of-experts policy trains the same way
+(common/train/moe.py: expert-load metrics, --router-aux-loss-coef, --routing-replay). Left out on purpose: DAPO's
+dynamic sampling (refilling the batch with informative groups), overlong reward shaping.
 
     torchrun --nproc_per_node 2 grpo.py                  # built-in tiny model and task, CPU, about a minute
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
@@ -42,13 +43,14 @@ from common.train.batching import (batching_metrics, mini_batches, pad_rows, pla
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.model import load_model, load_tokenizer, model_config, shard_model
+from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs, RoutingReplayArgs):
     # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -130,6 +132,7 @@ def check_args(args: Args, world: int) -> None:
                                "logprob_diff_every", "save_every", "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
     check_lora_args(args)
+    check_routing_replay(args, model_config(args.model))
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: advantages are relative to the group")
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
@@ -210,7 +213,8 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):  # the same count on every rank
         totals = sum_over_ranks({"tokens": sum(sum(model_token_mask(s)) * s["loss_weight"] for s in mini),
-                                 "seqs": sum(s["loss_weight"] > 0 for s in mini)}, device)
+                                 "seqs": sum(s["loss_weight"] > 0 for s in mini),
+                                 "positions": sum(sample_lengths(mini))}, device)  # MoE: the routers' tokens
         if totals["tokens"] == 0:  # every group in this mini-batch had equal rewards, on every rank
             continue
         norm = batch_tokens / args.num_mini_batches if args.loss_agg == "all-token-mean" else totals["tokens"]
@@ -237,7 +241,8 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
             token_loss, clipped, kl = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high,
                                                   ref, args.kl_coef, tis)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, norm, totals["seqs"], args.max_response_len)
-            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
+            aux = router_aux_loss(model, sum(sample_lengths(mbs)) / totals["positions"])  # MoE, if on: load balance
+            ((loss + aux) * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
             with torch.no_grad():
                 sums["loss"] += loss.item() * world
                 sums["pg_clipfrac"] += (clipped * mask).sum().item()
@@ -308,7 +313,8 @@ def main(args: Args):
 
     # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer.
     policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), device,
-                         args.activation_checkpointing, compile_layers=args.compile, precision=args.precision)
+                         args.activation_checkpointing, compile_layers=args.compile, precision=args.precision,
+                         router_aux_loss_coef=args.router_aux_loss_coef)
     reference = None  # of the KL penalty: the frozen initial policy; with LoRA, the policy's own base (adapters off)
     if args.kl_coef > 0 and not args.lora_rank:
         reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
@@ -367,6 +373,7 @@ def main(args: Args):
 
         # 7. Log.
         metrics.update(step_metrics(samples, generated, stats, args, world, device))
+        metrics.update(router_metrics(policy, device))  # MoE: expert load and router entropy of the update's passes
         checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
         total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
         trained = metrics.pop("trained_tokens") * args.epochs  # the update passes only samples with signal

@@ -47,7 +47,8 @@ from common.train.batching import (batching_metrics, mini_batches, pad_rows, pla
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import load_model, load_tokenizer, shard_model
+from common.train.model import load_model, load_tokenizer, model_config, shard_model
+from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.offload import Offloader
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
@@ -55,7 +56,7 @@ from common.train.value_models import compute_values, load_critic, load_reward_m
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs, RoutingReplayArgs):
     # model and data
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -160,6 +161,7 @@ def check_args(args: Args, world: int) -> None:
                                "save_every", "save_state_every", "keep_checkpoints"])
     check_rollout_args(args, world)
     check_lora_args(args)
+    check_routing_replay(args, model_config(args.model))
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise ValueError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
@@ -358,7 +360,8 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     sums = dict.fromkeys(["policy_loss", "clipfrac", "approx_kl", "entropy", "policy_tokens", "grad_norm",
                           "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
-        num_tokens = sum_over_ranks({"t": model_tokens(mini)}, device)["t"]
+        totals = sum_over_ranks({"t": model_tokens(mini), "positions": sum(sample_lengths(mini))}, device)
+        num_tokens = totals["t"]  # (positions: every token the routers of an MoE policy route)
         for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
             mbs = [mini[i] for i in mb]
             logprobs, entropy = packed_response_logprobs(policy, mbs, args.temperature, with_entropy=True)
@@ -375,7 +378,8 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
                 delta = padded(mbs, "ref_logprobs", device) - logprobs
                 token_loss = token_loss + args.kl_coef * (delta.exp() - delta - 1)  # k3, always >= 0
             loss = token_mean_share(token_loss, mask, num_tokens)
-            (loss * world).backward()
+            aux = router_aux_loss(policy, sum(sample_lengths(mbs)) / totals["positions"])  # MoE, if on: load balance
+            ((loss + aux) * world).backward()
             with torch.no_grad():
                 log_ratio = logprobs - old
                 sums["policy_loss"] += loss.item() * world
@@ -477,7 +481,7 @@ def main(args: Args):
     # value head trained in full); the frozen reference (with LoRA: the policy's own base) and reward model.
     shard = dict(compile_layers=args.compile, precision=args.precision)
     policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), device,
-                         args.activation_checkpointing, **shard)
+                         args.activation_checkpointing, router_aux_loss_coef=args.router_aux_loss_coef, **shard)
     critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed), args, args.seed,
                                   heads=("score",)),
                          device, args.activation_checkpointing, packed_rows=True, **shard)  # (never generates)
@@ -561,6 +565,7 @@ def main(args: Args):
 
         # 7. Log.
         metrics.update(step_metrics(samples, generated, stats, args, world, device))
+        metrics.update(router_metrics(policy, device))  # MoE: expert load and router entropy of the update's passes
         checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
         total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "critic/lr": critic_scheduler.get_last_lr()[0],

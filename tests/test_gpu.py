@@ -403,3 +403,47 @@ def test_moe_sync_is_checked_at_tensor_parallel_size_2(tmp_path):
     intermediate rows (and down_proj's columns), and the check compares that half."""
     rows = run_moe_grpo(tmp_path, "qwen3-moe-tiny", nproc=2, more=("--rollout-tp", "2"))
     assert sum("time/check_sync" in r for r in rows) >= 3
+
+
+def test_moe_routing_replay_with_vllm(tmp_path):
+    """grpo.py on a small random Qwen3-MoE with vLLM, with and without --routing-replay (same seed): with it, vLLM
+    returns every token's experts (enable_return_routed_experts), one route per token it ran, [prompt + response - 1,
+    layers, k] (common/train/moe.pack_routes refuses any other length), and the trainer runs them: its own top-k
+    agrees with them on most tokens (a route one token off would agree on few), and rollout/logprob_diff is no larger
+    than without replay. Needs the MoE weight sync into vLLM (--check-weight-sync checks it). Prints both diffs."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import Qwen3MoeConfig
+
+    from scripts.random_model import full_vocab_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+                            num_experts_per_tok=4, vocab_size=1000, tie_word_embeddings=True, initializer_range=0.1,
+                            max_position_embeddings=512)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
+    full_vocab_tokenizer(1000).save_pretrained(model_dir)
+    diffs, agreement = {}, None
+    for replay in (False, True):
+        out = tmp_path / f"run_{replay}"
+        flags = ["--model", str(model_dir), "--rollout-engine", "vllm", "--rollout-eager", "--check-weight-sync",
+                 "--steps", "3", "--lr", "1e-4", "--prompts-per-step", "8", "--group-size", "8",
+                 "--max-response-len", "16", "--eval-every", "0", "--eval-size", "16", "--logprob-diff-every", "1",
+                 "--precision", "bf16", "--output-dir", str(out)] + (["--routing-replay"] if replay else [])
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "1", os.path.join(root, "grpo.py"), *flags], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        diffs[replay] = [r["rollout/logprob_diff"] for r in rows if "rollout/logprob_diff" in r]
+        assert all("moe/max_load" in r for r in rows if "rollout/logprob_diff" in r)
+        if replay:
+            agreement = [r["moe/route_agreement"] for r in rows if "moe/route_agreement" in r]
+    print("logprob_diff without replay", diffs[False], "with", diffs[True], "route agreement", agreement)
+    assert agreement and min(agreement) > 0.5, agreement
+    assert sum(diffs[True]) <= sum(diffs[False]) * 1.1 + 1e-3, diffs

@@ -13,3 +13,5 @@ class Completion:
     logprobs: list[float] | None  # log-prob of each sampled token under the sampling distribution (after
     # temperature); None where generate was called with logprobs=False
     finished: bool  # ended on a stop token (False: cut at max_tokens)
+    routes: object = None  # MoE with --routing-replay: the experts each token went through, [prompt + response - 1,
+    # layers, top_k] (vLLM's layout: the last token never went through the model), as a torch int16 tensor

@@ -24,6 +24,7 @@ from common.rollout.completion import Completion
 from common.rollout.vllm_engine import VLLMRolloutEngine
 from common.run.distributed import max_over_ranks
 from common.run.errors import user_error
+from common.train.moe import recorded_routes
 
 
 @user_error
@@ -35,8 +36,9 @@ class NonFiniteLogits(RuntimeError):
 class HFRolloutEngine:
     """Samples from the training model itself, so there are no weights to sync and nothing to sleep."""
 
-    def __init__(self, model, stop_token_ids: list[int], pad_token_id: int, rank: int = 0):
+    def __init__(self, model, stop_token_ids: list[int], pad_token_id: int, rank: int = 0, record_routes: bool = False):
         self.model, self.stop_token_ids, self.pad_token_id, self.rank = model, stop_token_ids, pad_token_id, rank
+        self.record_routes = record_routes  # MoE --routing-replay: each sampled response's experts, as vLLM does
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
@@ -54,7 +56,8 @@ class HFRolloutEngine:
         self.model.eval()
         self.model.set_attn_implementation("sdpa")  # padded batches and a KV cache; training may use packed rows
         # A private RNG stream per (seed, rank): sampling never disturbs the training RNG, and ranks differ.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), non_finite_logits_named():
+        routes = recorded_routes(self.model, on=self.record_routes and not greedy)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), non_finite_logits_named(), routes:
             torch.manual_seed(seed * 1000 + self.rank)
             out = self.model.generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
@@ -73,14 +76,15 @@ class HFRolloutEngine:
             scores = torch.stack(out.scores, dim=1).float()  # [batch * n, steps, vocab]
             token_logprobs = F.log_softmax(scores, dim=-1).gather(
                 -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
-        completions = []
+        completions, per_prompt = [], 1 if greedy else n
         for row in range(new_tokens.shape[0]):
             ids = new_tokens[row].tolist()
             stop = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)
             length = len(ids) if stop is None else stop + 1  # keep the stop token: the policy must learn to stop
+            experts = routes.sequence(row, new_tokens.shape[0], len(prompt_ids[row // per_prompt]), longest,
+                                      length) if routes.steps else None
             completions.append(Completion(ids[:length], None if token_logprobs is None else
-                                          token_logprobs[row, :length].tolist(), stop is not None))
-        per_prompt = 1 if greedy else n
+                                          token_logprobs[row, :length].tolist(), stop is not None, experts))
         groups = [completions[i * per_prompt:(i + 1) * per_prompt] for i in range(len(prompt_ids))]
         for i, group in enumerate(groups if on_finish else []):  # one batched generate: all finish together
             on_finish(i, group)
@@ -159,15 +163,17 @@ def resolve_engine_kind(kind: str) -> str:
 def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token_ids: list[int], rank: int,
                         tp_size: int, gpu_memory: float | None, max_model_len: int, seed: int, enforce_eager: bool,
                         sync_bucket_mb: int, sleep_level: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                        max_sequences: int = 256, lora: dict | None = None):
+                        max_sequences: int = 256, lora: dict | None = None, record_routes: bool = False):
     """kind: "vllm", "hf" or "auto" (see resolve_engine_kind). vLLM's memory and sleep, and `lora` (adapters through
-    vLLM's LoRA layers): see VLLMRolloutEngine. The HF engine generates with the policy itself, adapters and all."""
+    vLLM's LoRA layers): see VLLMRolloutEngine. The HF engine generates with the policy itself, adapters and all.
+    record_routes (MoE --routing-replay): each completion carries the experts its tokens went through."""
     kind = resolve_engine_kind(kind)
     if kind == "hf":
-        return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank)
+        return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank, record_routes)
     if kind == "vllm":
         return VLLMRolloutEngine(model_path, tp_size=tp_size, gpu_memory_utilization=gpu_memory,
                                  max_model_len=max_model_len, stop_token_ids=stop_token_ids, seed=seed,
                                  enforce_eager=enforce_eager, sync_bucket_mb=sync_bucket_mb,
-                                 sleep_level=sleep_level, dtype=dtype, max_sequences=max_sequences, lora=lora)
+                                 sleep_level=sleep_level, dtype=dtype, max_sequences=max_sequences, lora=lora,
+                                 record_routes=record_routes)
     raise ValueError(f"--rollout-engine must be auto, hf or vllm, got {kind!r}")

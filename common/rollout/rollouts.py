@@ -42,8 +42,9 @@ from common.run.logger import StageTimer
 from common.run.perf import memory_in_use
 from common.run.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested
 from common.train.logprobs import model_token_mask, use_packed_attention
-from common.train.model import (compute_dtype, load_model, model_config, pick_precision, save_model_config,
-                                stop_token_ids)
+from common.train.model import (compute_dtype, decoder_layers, load_model, model_config, pick_precision,
+                                save_model_config, stop_token_ids)
+from common.train.moe import install_router_hooks
 from sharding.vllm_moe import check_moe_mapped
 from sharding.vllm_sync import trainer_weights, weight_shapes
 
@@ -276,7 +277,8 @@ class Rollouts:
                 args.rollout_engine, policy, model_dir, tokenizer, stop_token_ids(args.model, tokenizer),
                 placement.rank, args.rollout_tp, args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len,
                 args.seed, args.rollout_eager, args.sync_bucket_mb, args.rollout_sleep_level,
-                compute_dtype(args.precision), sequences_at_once(args, placement.world, len(eval_rows)), lora)
+                compute_dtype(args.precision), sequences_at_once(args, placement.world, len(eval_rows)), lora,
+                record_routes=getattr(args, "routing_replay", False))
             if getattr(self.engine, "llm", None) is not None:
                 memory = f"{self.engine.kv_cache_gib:.1f} GiB of KV cache" if self.engine.kv_cache_gib else \
                     f"{args.rollout_gpu_memory:.0%} of the GPU"
@@ -568,7 +570,7 @@ def scored_samples(prompts: list[dict], outputs, scorer: RewardScorer, multi_tur
         return [episode_sample(episode, version) for group in outputs for episode in group], 0
     rewards, timeouts = collect_rewards(scorer)
     samples = [dict(prompt_ids=p["prompt_ids"], response_ids=c.response_ids, logprobs=c.logprobs, finished=c.finished,
-                    reward=r, version=version)
+                    reward=r, version=version, **({} if c.routes is None else {"routes": c.routes}))
                for p, group, group_rewards in zip(prompts, outputs, rewards) for c, r in zip(group, group_rewards)]
     return samples, timeouts
 
@@ -616,14 +618,16 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         engine = make_rollout_engine("vllm", None, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
                                      args.rollout_gpu_memory, args.max_prompt_len + args.max_response_len, args.seed,
                                      args.rollout_eager, args.sync_bucket_mb, dtype=compute_dtype(args.precision),
-                                     max_sequences=sequences_at_once(args, placement.world, len(eval_rows)))
+                                     max_sequences=sequences_at_once(args, placement.world, len(eval_rows)),
+                                     record_routes=getattr(args, "routing_replay", False))
         with torch.device("meta"):  # names and shapes only
             shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
         dtype, load, loaded = engine.dtype, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
     else:
         model = load_model(args.model, tokenizer, args.seed).to(device)  # overwritten by the first version received
+        install_router_hooks(model, decoder_layers(model))  # MoE: --routing-replay records the routes (else a no-op)
         engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
-                                     0.0, 0, args.seed, False, 0)
+                                     0.0, 0, args.seed, False, 0, record_routes=getattr(args, "routing_replay", False))
         shapes, dtype, load, loaded = weight_shapes(model), torch.float32, load_into_module(model), lambda: None
     install_stop_handlers()  # after the engine, which may set handlers of its own
     sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank, placement.world,

@@ -84,14 +84,15 @@ class VLLMRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float | None, max_model_len: int,
                  stop_token_ids: list[int], seed: int, enforce_eager: bool = False,
                  dtype: torch.dtype = torch.bfloat16, sync_bucket_mb: int = 512, sleep_level: int | None = None,
-                 max_sequences: int = 256, lora: dict | None = None):
+                 max_sequences: int = 256, lora: dict | None = None, record_routes: bool = False):
         """Call on every rank, after torch.distributed is initialised; model_path needs only config.json.
 
         gpu_memory_utilization: vLLM's share of the GPU (weights and KV cache); above 1, GiB of KV cache; None, the KV
         cache of max_sequences sequences at once (kv_cache_gib). sleep_level: see the module's docstring. After
         level 2 the engine cannot generate until `update_weights` has loaded the trainer's weights. lora: {"rank",
         "targets", "dir"} of a LoRA policy whose adapters go to vLLM's LoRA layers, written under "dir" (see the
-        module's docstring).
+        module's docstring). record_routes: vLLM returns the experts each token went through (MoE routing replay),
+        which every sampled completion carries (Completion.routes).
         """
         if sleep_level not in (None, 0, 1, 2):
             raise ValueError(f"the rollout engine's sleep level is 0, 1 or 2, got {sleep_level}")
@@ -138,7 +139,8 @@ class VLLMRolloutEngine:
             enable_sleep_mode=True, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
             load_format="dummy",  # the real weights arrive with the first update_weights
             **memory, max_model_len=max_model_len,
-            dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager, **adapters)
+            dtype=str(dtype).removeprefix("torch."), seed=seed, enforce_eager=enforce_eager, **adapters,
+            **(dict(enable_return_routed_experts=True) if record_routes else {}))
         # vLLM's worker and model object in this process (V1 engine, in-process executor); get_model() unwraps CUDA
         # graphs.
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
@@ -355,7 +357,9 @@ class VLLMRolloutEngine:
 def to_completion(output) -> Completion:
     """One vLLM CompletionOutput -> Completion: the sampled tokens (a stop token included) and their log-probs
     under the processed (temperature, top-p) distribution. With logprobs=0 each position holds only the sampled
-    token's entry, first; flat_logprobs stores them as one list (FlatLogprobs), else as one dict per position."""
+    token's entry, first; flat_logprobs stores them as one list (FlatLogprobs), else as one dict per position.
+    With enable_return_routed_experts, vLLM returns the experts of the prompt's tokens and of every token it fed
+    back (all sampled ones but the last), [prompt + response - 1, layers, top_k] (zeros for dense layers)."""
     lp = output.logprobs
     if lp is None:  # not asked for
         logprobs = None
@@ -363,4 +367,8 @@ def to_completion(output) -> Completion:
         logprobs = [lp.logprobs[start] for start in lp.start_indices]
     else:
         logprobs = [position[token].logprob for position, token in zip(lp, output.token_ids)]
-    return Completion(response_ids=list(output.token_ids), logprobs=logprobs, finished=output.finish_reason == "stop")
+    routes = getattr(output, "routed_experts", None)  # [prompt + response - 1, layers, top_k], uint8 or uint16
+    if routes is not None:
+        routes = torch.from_numpy(routes.astype("int16"))
+    return Completion(response_ids=list(output.token_ids), logprobs=logprobs, finished=output.finish_reason == "stop",
+                      routes=routes)

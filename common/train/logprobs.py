@@ -14,6 +14,7 @@ import torch
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from common.train.batching import pack_sequences, plan_equal_micro_batches
+from common.train.moe import pack_routes, router_hooks
 from common.train.sequence_parallel import (gather_scored, heads_to_sequence, local_part, sequence_parallel_size,
                                       sequence_to_heads)
 
@@ -151,9 +152,15 @@ def packed_token_logprobs(model, packed: dict, temperature: float, chunk_tokens:
         packed, index, mine, counts = local_part(packed, index)
         targets = targets[mine]
     device, attention_kwargs = attach_forward_method(model, "packed_forward", _packed_forward, packed)
+    if (routing := router_hooks(model)) is not None:  # MoE: replayed routes; a training pass counts for the metrics
+        routes = packed.get("routes")
+        routing.start_pass(None if routes is None else routes.to(device), packed.get("counted"),
+                           collect=torch.is_grad_enabled())
     logprobs, entropy = model.packed_forward(packed["input_ids"].to(device), packed["position_ids"].to(device),
                                              index.to(device), targets.to(device), attention_kwargs, temperature,
                                              chunk_tokens, with_entropy)
+    if routing is not None:
+        routing.collect = False  # (a recomputation in backward, with activation checkpointing, is not counted again)
     if counts is not None:
         logprobs, entropy = gather_scored(logprobs, counts), gather_scored(entropy, counts)
     return logprobs, entropy
@@ -296,6 +303,9 @@ def packed_response_logprobs(model, samples: list[dict], temperature: float, wit
     An empty `samples` runs a dummy sequence (a rank's zero-weight filler pass)."""
     packed = pack_sequences([s["prompt_ids"] + s["response_ids"] for s in samples],
                             [len(s["response_ids"]) for s in samples] if samples else None)
+    packed["routes"] = pack_routes(samples)  # MoE with --routing-replay: the rollout's experts, else None
+    if not samples:
+        packed["counted"] = 0  # the dummy sequence counts in no metric
     logprobs, entropy = packed_token_logprobs(model, packed, temperature, with_entropy=with_entropy)
     split = lambda x: None if x is None else list(x.split(packed["num_scored"]))
     return split(logprobs), split(entropy)

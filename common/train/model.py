@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from common.train.logprobs import use_packed_attention
+from common.train.moe import install_router_hooks
 from common.train.sequence_parallel import check_heads, sequence_parallel_size
 from sharding.checkpoint import load_saved_tokenizer
 
@@ -164,7 +165,7 @@ def sharding_mesh():
 
 def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
                 trainable: bool = True, compile_layers: bool = False, precision: str = "bf16",
-                packed_rows: bool = False) -> torch.nn.Module:
+                packed_rows: bool = False, router_aux_loss_coef: float = 0.0) -> torch.nn.Module:
     """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head), over every
     training rank or, with hybrid sharding (init_sharding), within groups of them.
 
@@ -174,6 +175,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     trainable=False freezes the whole model; True keeps each parameter's requires_grad (common/train/lora.py sets them).
     compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
     model but a policy that also generates with HF's generate (common/rollout/rollouts.py switches that one itself).
+    A mixture-of-experts model gets hooks on its routers (common/train/moe.py: metrics, routing replay, and the
+    load-balancing loss weighted router_aux_loss_coef).
     """
     if sequence_parallel_size() > 1:
         check_heads(model.config, sequence_parallel_size())
@@ -187,6 +190,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
         for param in model.parameters():
             if not param.requires_grad:
                 param.data = param.data.to(compute_dtype(precision))
+    install_router_hooks(model, decoder_layers(model), router_aux_loss_coef)  # None for a dense model
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=_mesh, mp_policy=policy)
     if compile_layers:

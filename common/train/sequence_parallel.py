@@ -112,7 +112,10 @@ def local_part(packed: dict, index: torch.Tensor) -> tuple[dict, torch.Tensor, t
     owner = index // chunk  # the rank whose slice holds each position of `index`
     counts, mine = torch.bincount(owner, minlength=_size).tolist(), owner == _rank
     local = {"input_ids": input_ids[:, start:start + chunk], "position_ids": position_ids[:, start:start + chunk],
-             "cu_seqlens": cu_seqlens, "max_seqlen": max(packed["max_seqlen"], pad)}
+             "cu_seqlens": cu_seqlens, "max_seqlen": max(packed["max_seqlen"], pad),
+             "counted": min(max(packed.get("counted", total) - start, 0), chunk)}  # MoE metrics: not the padding
+    if packed.get("routes") is not None:  # MoE routing replay: [layers, total, k], the padding's the router's own
+        local["routes"] = torch.nn.functional.pad(packed["routes"], (0, 0, 0, pad), value=-1)[:, start:start + chunk]
     return local, index[mine] - start, mine, counts
 
 
