@@ -43,11 +43,13 @@ def test_memory_and_time_by_hand():
     assert mem["rollout"] == pytest.approx({"trainer (cached)": cached, "vllm weights": p * 2 / gb, "kv cache": kv,
                                            "vllm workspace": 2.0})
     assert mem["peak"] == pytest.approx(max(cached, cached + vllm))
-    # Time: 6 FLOPs a parameter and token for the 64 x 400 tokens over two GPUs at 50% of 989 TFLOP/s, plus a fixed
-    # cost per layer and micro-batch (4 micro-batches a GPU); decoding 400 steps (min(400, 2 x 300)) of 10 layers x 1 ms
-    # + the weights and half the KV read at half of 3.35 TB/s, plus the prefill.
+    # Time: 6 FLOPs a parameter and token for the 64 x 400 tokens, and attention's 6 x 10 layers x (10 heads x 100) x
+    # 400^2 for each of the 64 sequences, over two GPUs at 50% of 989 TFLOP/s, plus a fixed cost per layer and
+    # micro-batch (4 micro-batches a GPU); decoding 400 steps (min(400, 2 x 300)) of 10 layers x 1 ms + the weights
+    # and half the KV read at half of 3.35 TB/s, plus the prefill.
     times = step_time(shape, setup, SIMPLE)
-    assert times["update"] == pytest.approx(6 * p * 64 * 400 / (2 * 989e12 * 0.5) + 4 * 10 * 0.01)
+    attention = 64 * 6 * 10 * 1000 * 400**2
+    assert times["update"] == pytest.approx((6 * p * 64 * 400 + attention) / (2 * 989e12 * 0.5) + 4 * 10 * 0.01)
     kv_read = 32 * (100 + 150) * 2 * 10 * 5 * 100 * 2 / 2 * 2
     per_step = 10 * 0.001 + (p * 2 + kv_read) / (3.35e12 * 0.5)
     prefill = 32 * 100 * 2 * p / (989e12 * 0.5)

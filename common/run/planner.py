@@ -23,9 +23,10 @@ trainer runs; the trainer's weights and optimizer stay while the engine generate
 Time per step, by stage (s): rollout (decoding: as many engine steps as the longest response has tokens, each reading
 the weights and the live KV cache at a fitted share of the memory bandwidth, plus a fixed cost per step), logprobs
 (forward passes: 2 FLOPs per parameter and token), update (6 FLOPs per trained parameter and token, 4 per frozen one,
-2 more with activation checkpointing, at an MFU that grows with the model's size), sync (the rollout weights at a
-fitted bandwidth). The coefficients in FIT were fitted to the committed GPU runs (scripts/plan.py --validate prints
-the comparison; benchmarks/README.md, Capacity planner).
+2 more with activation checkpointing, at an MFU that grows with the model's size), both plus attention's FLOPs, which
+grow with the square of each sequence's length (attention_flops), sync (the rollout weights at a fitted bandwidth).
+The coefficients in FIT were fitted to the committed GPU runs (scripts/plan.py --validate prints the comparison;
+benchmarks/README.md, Capacity planner).
 """
 
 import math
@@ -244,21 +245,33 @@ def mfu(shape: Shape, setup: Setup, fit: dict = FIT) -> float:
     return min(0.6, max(0.01, value))
 
 
+def attention_flops(shape: Shape, setup: Setup) -> float:
+    """FLOPs of attention's two products (Q K^T and the weighted sum of V) in one forward pass over the step's samples:
+    a causal sequence of L tokens costs 2 x layers x (heads x head_dim) x L^2 (half of a full 4 x ... x L^2), the
+    backward twice that. From the mean lengths, each sample one row (a DPO pair two): long-tailed lengths make the true
+    sum of L^2, and so this cost, larger."""
+    rows = [setup.prompt_len + setup.response_len] * (2 if setup.pairs else 1)
+    return setup.samples * sum(2 * shape.layers * shape.heads * shape.head_dim * length ** 2 for length in rows)
+
+
 def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
-    """Seconds per step by stage, and their sum."""
+    """Seconds per step by stage, and their sum. Training counts the dense FLOPs per token and attention's per
+    sequence (forward, backward, and with activation checkpointing the forward once more), all at the fitted MFU."""
     flops, bandwidth, _ = GPUS[setup.gpu]
     trained, frozen = shape.trained_and_frozen(setup.lora_rank)
     tokens = setup.samples * (setup.prompt_len + setup.response_len * (2 if setup.pairs else 1))
     trained_tokens = tokens * setup.trained_fraction
     per_token = 6 * trained + 4 * frozen + (2 * shape.params if setup.activation_checkpointing else 0)
+    attention = attention_flops(shape, setup) * setup.trained_fraction  # one forward pass
     models = 2 if setup.critic else 1
     rate = setup.gpus * flops * mfu(shape, setup, fit)
     micro_batches = math.ceil(_tokens_per_gpu(setup) * setup.trained_fraction / setup.max_tokens_per_micro_batch)
     launches = micro_batches * shape.layers * fit["layer_pass_s"] * (fit["compile_pass_share"] if setup.compile else 1)
-    stages = {"update": models * setup.epochs * (per_token * trained_tokens / rate + launches)}
+    update_flops = per_token * trained_tokens + attention * (4 if setup.activation_checkpointing else 3)
+    stages = {"update": models * setup.epochs * (update_flops / rate + launches)}
     passes = setup.old_logprobs_pass + setup.reference + setup.critic
     if passes:
-        stages["logprobs"] = passes * (2 * shape.params * trained_tokens / rate + launches / 3)
+        stages["logprobs"] = passes * ((2 * shape.params * trained_tokens + attention) / rate + launches / 3)
     if setup.rollout:
         compute = _dtype_bytes(setup.precision)
         weights = shape.params * compute / setup.rollout_tp
