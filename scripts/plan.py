@@ -109,7 +109,8 @@ COVERED = ("bench_train", "grpo", "ppo", "dpo")
 
 def run_setup(run: dict) -> tuple[Shape, Setup] | None:
     """A committed run (benchmarks/results/planner/measured_runs.json) as the planner's inputs, or None for runs
-    it does not model (split placement, benches of one stage, shared GPUs)."""
+    it does not model (split placement, benches of one stage, shared GPUs). The training bench's num_samples are
+    each rank's (each sequence-parallel group's): the step's samples are that many times the groups."""
     c, m = run["config"], run["model"]
     if run["kind"] not in COVERED or c.get("placement") == "split" or run.get("shared_gpu"):
         return None
@@ -129,6 +130,8 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         prompt, response = c["tokens_per_step"] / samples / 2 * 0.6, c["tokens_per_step"] / samples / 2 * 0.4
     if not samples or prompt is None or response is None:
         return None
+    if run["kind"] == "bench_train":  # every group of --sequence-parallel ranks steps through the same num_samples
+        samples *= (c.get("train_gpus") or run["num_gpus"]) // (c.get("sequence_parallel") or 1)
     rollout = run["kind"] in ("grpo", "ppo") or (pairs and c.get("placement") == "colocated")
     kv = c.get("kv_cache_gib")
     setup = Setup(
@@ -138,7 +141,7 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         max_tokens_per_micro_batch=c.get("max_tokens_per_micro_batch") or 16384, precision=c.get("precision") or "bf16",
         lora_rank=c.get("lora_rank") or 0, offload=bool(c.get("offload")),
         activation_checkpointing=bool(c.get("activation_checkpointing")),
-        compile=bool(c.get("compile")) or c.get("mode") in ("compiled", "compiled_layers"),
+        compile=bool(c.get("compile")) or c.get("mode") in ("compiled", "compiled_layers"), shard_size=c.get("shard_size"),
         rollout=rollout, rollout_tp=c.get("rollout_tp") or 1, rollout_eager=bool(c.get("rollout_eager")),
         sleep_level=c.get("sleep_level"), kv_cache_gb=None if kv is None else kv * 2**30 / 1e9,
         critic=bool(c.get("critic")), reference=bool(c.get("reference")) and c.get("reference_in_memory", True),
