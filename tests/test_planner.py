@@ -158,3 +158,6 @@ def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monke
         assert args.activation_checkpointing is expected
         assert any(line.startswith("planner: --activation-checkpointing on") for line in lines) is expected, lines
         assert any(line.startswith("planner: peak:") for line in lines), lines
+        # The step at every response's limit, as memory is sized: the line says it is an upper bound.
+        assert any(line.startswith("planner: step:") and "every response runs to --max-response-len, an upper bound"
+                   in line for line in lines), lines

@@ -331,8 +331,9 @@ def fixes(shape: Shape, setup: Setup, fit: dict = FIT) -> list[tuple[str, float]
     return found
 
 
-def describe(shape: Shape, setup: Setup, fit: dict = FIT) -> list[str]:
-    """The planner's report in lines: memory by part per phase, the peak against the GPU, the step by stage."""
+def describe(shape: Shape, setup: Setup, fit: dict = FIT, step_assumes: str = "") -> list[str]:
+    """The planner's report in lines: memory by part per phase, the peak against the GPU, the step by stage (and,
+    where step_assumes is given, what the step's figure assumes)."""
     mem, time_ = memory(shape, setup, fit), step_time(shape, setup, fit)
     lines = [f"model: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, MLP "
              f"{shape.intermediate}, {shape.heads} heads / {shape.kv_heads} kv, vocabulary {shape.vocab})"]
@@ -347,7 +348,8 @@ def describe(shape: Shape, setup: Setup, fit: dict = FIT) -> list[str]:
         found = fixes(shape, setup, fit)
         lines.append("would fit with: " + ("; ".join(f"{flag} ({peak:.1f} GB)" for flag, peak in found)
                                            if found else "none of the flags alone: more GPUs, or a smaller model"))
-    lines.append(f"step: {time_['step']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in time_.items() if k != "step")
+    lines.append(f"step: {time_['step']:.1f} s" + (f" {step_assumes}" if step_assumes else "") + " ("
+                 + ", ".join(f"{k} {v:.1f}" for k, v in time_.items() if k != "step")
                  + f"; training at an MFU of {mfu(shape, setup, fit):.0%})")
     return lines
 
@@ -390,7 +392,8 @@ def setup_of_run(args, world: int, gpu_name: str, gpu_memory_gb: float) -> Setup
 def plan_run(args, world: int, device) -> list[str]:
     """At start-up, on GPUs: the planner's forecast for this run (lines to print) and, where --activation-checkpointing
     was not given (neither it nor --no-activation-checkpointing), its choice: on when the step would not fit without
-    it. On CPU there is nothing to plan."""
+    it. Memory and time are both at the worst case, every response as long as its limit: right for memory, an upper
+    bound for the step (the step line says so). On CPU there is nothing to plan."""
     global _plan
     from common.run.errors import given_on_command_line
     if device.type != "cuda":
@@ -410,7 +413,9 @@ def plan_run(args, world: int, device) -> list[str]:
             lines.append(f"planner: --activation-checkpointing on: the step needs about {peak:.0f} GB without it, "
                          f"more than {HEADROOM:.0%} of the GPU's {total:.0f} GB")
     _plan = (shape, setup)
-    return lines + ["planner: " + line for line in describe(shape, setup)[1:]]
+    longest = "every pair runs to --max-len" if setup.pairs else "every response runs to --max-response-len"
+    report = describe(shape, setup, step_assumes=f"if {longest}, an upper bound")
+    return lines + ["planner: " + line for line in report[1:]]
 
 
 def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
