@@ -13,6 +13,11 @@ Memory per GPU, by part (GB):
                 parallelism): every layer's saved tensors, or with activation checkpointing each layer's input and
                 one layer's recomputed tensors
   logits        the chunked LM head's fp32 [chunk, vocab] buffers
+  optimizer step
+                AdamW's update (foreach, as torch picks for FSDP2's DTensors) allocates the square root of the second
+                moments, 4 bytes a trained parameter sharded like them, once the backward has freed the gathered
+                copies, activations and logits: what it needs beyond those (full fine-tuning with checkpointing or
+                short micro-batches peaks here)
   other models  PPO's critic (trained like the policy), a frozen reference (--kl-coef without LoRA) or reward model
   vllm          the colocated engine: its weights (on the GPU while training only at sleep level 0), its KV cache and
                 workspace while it generates
@@ -211,6 +216,8 @@ def memory(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
                 "gathered": (2 * shape.layer_params + shape.root_params) * compute / GB,
                 "activations": activations / GB,
                 "logits": fit["logit_copies"] * min(2048, tokens) * shape.vocab * 4 / GB}
+    backward = training["gathered"] + training["activations"] + training["logits"]
+    training["optimizer step"] = max(0.0, 4 * trained / shard / GB - backward)  # one model's step at a time
     allocated = sum(training.values())
     training["overhead"] = fit["overhead_gb"]
     rollout = {}
