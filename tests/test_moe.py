@@ -271,3 +271,20 @@ def test_grpo_on_a_tiny_moe_resumes_exactly(tmp_path):
     a = AutoModelForCausalLM.from_pretrained(whole / "hf_step_4").state_dict()
     b = AutoModelForCausalLM.from_pretrained(killed / "hf_step_4").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mfu_counts_the_active_experts_only():
+    """flop_weighted_params (perf/mfu's parameter count): an expert weight counts top_k / experts of its size, every
+    other weight in full; a LoRA model's frozen base at 4 of 6. By hand on the tiny model's own shapes."""
+    from common.train.lora import flop_weighted_params
+
+    model = tiny_moe()
+    config = model.config
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    others = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    assert experts == config.num_hidden_layers * config.num_experts * 3 * config.hidden_size \
+        * config.moe_intermediate_size  # gate, up and down of every expert
+    active = others + experts * config.num_experts_per_tok / config.num_experts
+    assert flop_weighted_params([model]) == (experts + others, pytest.approx(active))
+    model.requires_grad_(False)
+    assert flop_weighted_params([model]) == (0, pytest.approx(active * 4 / 6))

@@ -145,7 +145,16 @@ def adapters_off(model: torch.nn.Module | None):
 
 def flop_weighted_params(models: list[torch.nn.Module]) -> tuple[int, float]:
     """(parameters a training state holds, parameters as MFU counts them) of the models that train: a frozen
-    parameter takes no weight gradient, so 4 of a trained one's 6 FLOPs per token (forward, gradient of the input)."""
-    trained = sum(p.numel() for m in models for p in m.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for m in models for p in m.parameters() if not p.requires_grad)
-    return trained, trained + frozen * 4 / 6
+    parameter takes no weight gradient, so 4 of a trained one's 6 FLOPs per token (forward, gradient of the input);
+    a mixture-of-experts layer's expert weights count for the share of them a token runs through (its active
+    parameters: top k of the experts)."""
+    from common.train.moe import active_share
+
+    trained, counted = 0, 0.0
+    for model in models:
+        share = active_share(getattr(model, "config", None))
+        for name, param in model.named_parameters():
+            n = param.numel() * (share if ".experts." in name else 1.0)
+            trained += param.numel() if param.requires_grad else 0
+            counted += n if param.requires_grad else n * 4 / 6
+    return trained, counted

@@ -50,6 +50,15 @@ def is_moe(config) -> bool:
     return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
 
 
+def active_share(config) -> float:
+    """The share of a layer's experts each token runs through (top k of them): what an expert weight counts for in
+    FLOPs per token, and so in MFU. 1 for a model without experts."""
+    if config is None or not is_moe(config):
+        return 1.0
+    config = config.get_text_config()
+    return config.num_experts_per_tok / (getattr(config, "num_experts", None) or config.num_local_experts)
+
+
 def check_routing_replay(args, config) -> None:
     """One line for --routing-replay where it cannot work: a model without experts, or whose router this code does
     not know, or multi-turn episodes."""
