@@ -23,7 +23,7 @@
 #   bash scripts/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
 #                                                        # (SHAPE=7b SCRATCH=/dev/shm ... dpo OUT 0,1: 7B over 2 GPUs)
-#   bash scripts/gpu_checks.sh long OUTDIR [GPUS]        # grpo.py at the 1.5B shape, long-tailed responses of mean ~2k
+#   bash scripts/gpu_checks.sh long OUTDIR [GPUS]        # grpo.py at the 1.5B shape (LONG_SHAPE), long-tailed responses of mean ~2k
 #                                                        # tokens capped at 8,192, 16 prompts x 8, at the defaults: the
 #                                                        # planner's start-up choice, tokens/s, MFU, memory, stages;
 #                                                        # then --no-activation-checkpointing with 64k-token micro-
@@ -38,6 +38,13 @@
 #                                                        # 6 steps replicated (--shard-size 1) and sharded (--shard-size
 #                                                        # N), every sync checked; then the sharded run's state of step 3
 #                                                        # resumed replicated: steps 4-6 beside the uninterrupted run's
+#   bash scripts/gpu_checks.sh moe OUTDIR [GPUS]         # grpo at a mixture-of-experts shape (MOE_SHAPE, default
+#                                                        # olmoe-1b-7b: 6.9B total, 1.3B active), full fine-tuning,
+#                                                        # colocated vLLM, every sync checked, the same seed without
+#                                                        # and with --routing-replay: step time, MFU on active
+#                                                        # parameters, peak memory, sync time, rollout/logprob_diff
+#                                                        # (MOE_SHAPE=qwen3-30b-a3b EXTRA="--lora-rank 32
+#                                                        # --activation-checkpointing": the 30B shape with LoRA)
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
 # mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
 # together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
@@ -57,7 +64,7 @@ def reward(prompt, completion, answer):
 PY
 shape=${SHAPE:-$([ "$mode" = dpo ] && echo 1.5b || echo 0.5b)}
 model=/tmp/qwen${shape}_$mode  # one per mode: modes may run side by side on one machine
-case $mode in 7b|lora*|long|train-long) ;; *) python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
+case $mode in 7b|lora*|long|train-long|moe) ;; *) python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
 SMALL="--model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
 GRPO="grpo.py $SMALL"
@@ -228,22 +235,23 @@ fi
 if [ "$mode" = long ]; then
   # The run of issue 37 (a new user's first long-response run): step 1 took 56 s at a 76 GB peak and step 2 died of
   # out-of-memory at the defaults before the planner chose activation checkpointing at start-up.
-  [ -d /tmp/qwen1.5b_stop2000 ] || python3 scripts/random_model.py --shape 1.5b --stop-every 2000 \
-    --out /tmp/qwen1.5b_stop2000 || exit 1
+  ls=${LONG_SHAPE:-1.5b}
+  [ -d /tmp/qwen${ls}_stop2000 ] || python3 scripts/random_model.py --shape $ls --stop-every 2000 \
+    --out /tmp/qwen${ls}_stop2000 || exit 1
   python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_async; print(bench_async.REWARD)" \
     > /tmp/long_reward.py || exit 1
   g=${3:-0}; n=$(count "$g")
-  LONG="grpo.py --model /tmp/qwen1.5b_stop2000 --reward-fn /tmp/long_reward.py:reward --skip-reward-check
+  LONG="grpo.py --model /tmp/qwen${ls}_stop2000 --reward-fn /tmp/long_reward.py:reward --skip-reward-check
     --max-response-len 8192 --prompts-per-step 16 --group-size 8 --eval-every 0 --eval-size 16 --rollout-engine vllm
     --save-state-every 0 --resume none --overwrite"
   if [[ " ${RUNS:-run oom} " == *" run "* ]]; then
-    name=grpo_long_1.5b_${n}gpu
+    name=grpo_long_${ls}_${n}gpu${TAG:+_$TAG}
     run $name 560 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps ${STEPS:-5} --output-dir /tmp/$name $EXTRA
     grep -E "^planner|activation" "$out/$name.log" | cut -c1-300
     summary $name /tmp/$name
   fi
   if [[ " ${RUNS:-run oom} " == *" oom "* ]]; then
-    name=grpo_long_oom_${n}gpu
+    name=grpo_long_oom_${ls}_${n}gpu
     run $name 300 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps 1 --rollout-eager \
       --no-activation-checkpointing --max-tokens-per-micro-batch 65536 --output-dir /tmp/$name $EXTRA
     echo "$name: $(grep -c Traceback "$out/$name.log") tracebacks; the lines naming the out-of-memory:"
@@ -287,4 +295,24 @@ for path in sys.argv[1:]:
               f"{sum(1 for r in steps if 'time/check_sync' in r)}")
 PY
   for d in 1 $n resumed; do cp /tmp/hsdp_$d/metrics.jsonl "$out/hsdp_${shape}_${n}gpu_$d.jsonl"; done
+fi
+if [ "$mode" = moe ]; then
+  moe=${MOE_SHAPE:-olmoe-1b-7b}; g=${3:-0}; n=$(count "$g")
+  [ -d /tmp/$moe ] || python3 scripts/random_model.py --shape $moe --stop-every 500 --out /tmp/$moe || exit 1
+  for replay in off on; do
+    name=grpo_${moe}_${n}gpu_replay_$replay
+    run $name 540 $g torchrun --standalone --nproc_per_node "$n" grpo.py --model /tmp/$moe \
+      --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-5 --steps ${STEPS:-5} --eval-every 0 \
+      --eval-size 16 --prompts-per-step 32 --group-size 8 --max-response-len 1024 --precision bf16 --check-weight-sync \
+      --logprob-diff-every 1 --rollout-engine vllm --save-state-every 0 --resume none --overwrite \
+      --output-dir /tmp/$name $([ $replay = on ] && echo --routing-replay) $EXTRA
+    python3 - /tmp/$name/metrics.jsonl <<'PY' | tee "$out/${name}_moe.txt"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for key in ("rollout/logprob_diff", "moe/max_load", "moe/router_entropy", "moe/route_agreement", "time/sync",
+            "time/check_sync"):
+    print(key, [round(r[key], 4) for r in rows if key in r])
+PY
+    summary $name /tmp/$name
+  done
 fi
