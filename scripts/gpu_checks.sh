@@ -252,7 +252,7 @@ if [ "$mode" = long ]; then
   fi
   if [[ " ${RUNS:-run oom} " == *" oom "* ]]; then
     name=grpo_long_oom_${ls}_${n}gpu
-    run $name 300 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps 1 --rollout-eager \
+    run $name 300 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps 1 --rollout-eager --eval-size 1 \
       --no-activation-checkpointing --max-tokens-per-micro-batch 65536 --output-dir /tmp/$name $EXTRA
     echo "$name: $(grep -c Traceback "$out/$name.log") tracebacks; the lines naming the out-of-memory:"
     grep -i "out of GPU memory\|OutOfMemory" "$out/$name.log" | cut -c1-600
