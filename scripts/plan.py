@@ -9,7 +9,10 @@ configuration that does not fit fit.
     python scripts/plan.py --fit benchmarks/results/planner/measured_runs.json        # refit common/run/planner.py's FIT
 
 --model takes a local directory or a hub id whose config.json can be read (no weights are loaded); --shape one of
-scripts/random_model.py's Qwen2.5 shapes or smollm2 (SmolLM2-135M), for a machine without the hub.
+scripts/random_model.py's shapes (Qwen2.5's, and the mixtures of experts qwen3-moe-tiny, olmoe-tiny, olmoe-1b-7b,
+qwen3-30b-a3b) or smollm2 (SmolLM2-135M), for a machine without the hub.
+
+    python scripts/plan.py --shape qwen3-30b-a3b --gpus 1 --gpu H200 --lora-rank 32 --activation-checkpointing
 """
 
 import argparse
@@ -23,22 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root ho
 from common.run.planner import FIT, GPUS, Setup, Shape, describe, memory, step_time  # noqa: E402
 
 def shape_named(name: str) -> Shape:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig
 
     from scripts.bench_train import LLAMA_SHAPES
-    from scripts.random_model import SHAPES
+    from scripts.random_model import MOE_SHAPES, SHAPES, model_config
     if name in ("smollm2", "135m"):
         return Shape.from_config(LlamaConfig(**LLAMA_SHAPES["135m"]))  # SmolLM2-135M's sizes
-    if name not in SHAPES:
-        raise SystemExit(f"error: --shape {name}: one of {', '.join(SHAPES)}, smollm2")
-    return Shape.from_config(Qwen2Config(**SHAPES[name]))
+    if name not in SHAPES and name not in MOE_SHAPES:
+        raise SystemExit(f"error: --shape {name}: one of {', '.join([*SHAPES, *MOE_SHAPES])}, smollm2")
+    return Shape.from_config(model_config(name))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("the model (one of)")
     what.add_argument("--model", help="a model directory or hub id: its config.json gives the sizes")
-    what.add_argument("--shape", help="a Qwen2.5 shape of scripts/random_model.py (0.5b, 1.5b, 7b, ...) or smollm2")
+    what.add_argument("--shape", help="a shape of scripts/random_model.py: Qwen2.5's (0.5b, 1.5b, 7b, ...), a mixture "
+                      "of experts (qwen3-moe-tiny, olmoe-tiny, olmoe-1b-7b, qwen3-30b-a3b), or smollm2")
     machine = p.add_argument_group("the machine")
     machine.add_argument("--gpus", type=int, default=1, help="training GPUs (colocated: they also generate)")
     machine.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="the GPU kind: peak FLOP/s, memory "
@@ -117,10 +121,12 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
     if c.get("mode") not in (None, "packed", "compiled", "compiled_layers", "synced"):
         return None  # bench_train's padded baseline: not the scripts' path
     from transformers import PretrainedConfig
+    moe = {k: m[k] for k in ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                             "shared_expert_intermediate_size") if k in m}  # a mixture of experts' sizes, if any
     shape = Shape.from_config(PretrainedConfig(
         hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
         num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
-        vocab_size=m["vocab_size"], tie_word_embeddings=m["tie_word_embeddings"]))
+        vocab_size=m["vocab_size"], tie_word_embeddings=m["tie_word_embeddings"], head_dim=m.get("head_dim"), **moe))
     pairs = run["kind"] == "dpo"
     samples = c.get("dpo_pairs_per_step") or c.get("num_samples") or (c.get("prompts_per_step") or 0) * (
         c.get("group_size") or 1)

@@ -1,7 +1,9 @@
-"""common/run/planner.py and scripts/plan.py: the memory and time arithmetic on a case computed by hand, the flags it
-proposes for a configuration that does not fit, the scripts' flags as its inputs, the committed validation table
-(predicted against measured) as the fit gives it, and a stage that runs out of memory as one line."""
+"""common/run/planner.py and scripts/plan.py: the memory and time arithmetic on cases computed by hand (a dense model, a
+mixture of experts), the flags it proposes for a configuration that does not fit, the scripts' flags as its inputs, the
+committed validation table (predicted against measured) as the fit gives it, and a stage that runs out of memory as one
+line."""
 
+import math
 import os
 import subprocess
 import sys
@@ -57,6 +59,62 @@ def test_memory_and_time_by_hand():
     prefill = 32 * 100 * 2 * p / (989e12 * 0.5)
     assert times["rollout"] == pytest.approx(400 * per_step + prefill)
     assert times["sync"] == pytest.approx(p * 2 / 100e9)
+
+
+def test_a_mixture_of_experts_holds_every_expert_and_computes_with_its_top_k():
+    """qwen3-moe-tiny (hidden 64, 2 layers, 4 heads of 16 / 2 kv, 8 experts of MLP 32, 2 a token, vocabulary 4096,
+    untied) by hand: memory counts every expert and the routers, FLOPs the active parameters, decoding reads them all.
+    Against the models transformers builds (on the meta device), the count differs only by what the planner leaves
+    out as it does for dense models: q/k norms and attention biases. LoRA adapts the decoder's nn.Linear layers only:
+    attention's, and Qwen2-MoE's shared expert and its gate."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.run.planner import mfu
+    from common.train.lora import add_lora
+    from scripts.random_model import model_config
+    shape = Shape.from_config(model_config("qwen3-moe-tiny"))
+    attention, expert, router, norms = 64 * 16 * (2 * 4 + 2 * 2), 3 * 64 * 32, 64 * 8, 2 * 64
+    assert (shape.experts, shape.experts_per_token, shape.intermediate) == (8, 2, 32)
+    assert shape.layer_params == attention + 8 * expert + router + norms == 62_080
+    assert shape.params == 2 * 62_080 + 2 * 4096 * 64 + 64 == 648_512
+    assert shape.active_params == shape.params - 2 * (8 - 2) * expert == 574_784
+    assert shape.lora_params(4) == 2 * 4 * ((64 + 64) * 2 + (64 + 32) * 2) == 3584  # q, o; k, v
+    qwen2_moe = AutoConfig.for_model("qwen2_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=4096)
+    shared = Shape.from_config(qwen2_moe)
+    assert shared.params == shape.params + 2 * (3 * 64 * 48 + 64)  # the shared expert and its gate in each layer
+    assert shared.active_params == shape.active_params + 2 * (3 * 64 * 48 + 64)
+    assert shared.lora_params(4) == 3584 + 2 * 4 * (3 * (64 + 48) + 65)
+    for config in (model_config("qwen3-moe-tiny"), model_config("olmoe-tiny"), qwen2_moe):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        left_out = sum(p.numel() for name, p in model.named_parameters() if "_norm." in name or name.endswith(".bias"))
+        assert sum(p.numel() for p in model.parameters()) - left_out == Shape.from_config(config).params
+        add_lora(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_targets=None), seed=0)
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == Shape.from_config(config).lora_params(4)
+    # Memory: every expert's fp32 weights; activations of 2 experts of 32 a token, plus the hidden state copied into
+    # each and their outputs (2 x 2 x 64 bf16) and the router's fp32 logits and probabilities (2 x 8 x 4 bytes).
+    setup = Setup(gpus=1, gpu="H100", gpu_memory_gb=80, prompt_len=100, max_prompt_len=100, response_len=300,
+                  max_response_len=400, samples=8, sleep_level=2)
+    mem, times, p, active = memory(shape, setup, SIMPLE), step_time(shape, setup, SIMPLE), shape.params, 574_784
+    assert mem["training"]["weights"] == pytest.approx(4 * p / 1e9)
+    assert mem["training"]["activations"] == pytest.approx(8 * 400 * 2 * (10 * 64 + 4 * 2 * 32 + 2 * 2 * 64 * 2
+                                                                          + 2 * 8 * 4) / 1e9)
+    # Time: 6 FLOPs an active parameter and token; decoding reads every expert.
+    attention_flops = 8 * 6 * 2 * 4 * 16 * 400**2
+    assert times["update"] == pytest.approx((6 * active * 8 * 400 + attention_flops) / (989e12 * 0.5) + 2 * 0.01)
+    kv_read = 8 * (100 + 150) * 2 * 2 * 2 * 16 * 2
+    prefill = 8 * 100 * 2 * active / (989e12 * 0.5)
+    assert times["rollout"] == pytest.approx(400 * (2 * 0.001 + (2 * p + kv_read) / (3.35e12 * 0.5)) + prefill)
+    # The MFU's size is the active parameters': qwen3-30b-a3b's 3.35B, not its 30.5B.
+    from scripts.plan import shape_named
+    big = shape_named("qwen3-30b-a3b")
+    assert (round(big.params / 1e8), round(big.active_params / 1e7)) == (305, 335)
+    assert mfu(big, setup, {**SIMPLE, "mfu_per_decade": 0.1}) == pytest.approx(0.5 + 0.1 * math.log10(3.353))
 
 
 def test_a_configuration_that_does_not_fit_gets_the_flags_that_would():

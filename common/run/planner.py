@@ -32,6 +32,20 @@ the weights and the live KV cache at a fitted share of the memory bandwidth, plu
 grow with the square of each sequence's length (attention_flops), sync (the rollout weights at a fitted bandwidth).
 The coefficients in FIT were fitted to the committed GPU runs (scripts/plan.py --validate prints the comparison;
 benchmarks/README.md, Capacity planner).
+
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral): each layer's MLP is `experts` MLPs of `intermediate` each,
+a router (hidden x experts) and, in Qwen2-MoE, a shared expert every token goes through. Memory holds every expert
+(weights, gradients, moments, the gathered layers, vLLM's copy); a token computes with the top k only, so FLOPs,
+the MFU's size and the prefill count the active parameters (all but the experts it skips). A layer keeps the
+activations of k experts per token (as a dense MLP of k x intermediate) plus its routing: the hidden state copied into
+each of its k experts and their outputs before the weighted sum, and the router's fp32 logits and probabilities.
+Decoding reads every expert each engine step (a batch of many sequences touches nearly all of them: 1 - (1 - k /
+experts)^sequences, over 99.9% at 8 of 128 and 110 sequences), so its time is that of the whole model, an upper bound
+once few sequences are left. LoRA adapts the linear layers the decoder has: attention's projections and Qwen2-MoE's
+shared expert (transformers holds the routed experts as 3-D parameters, not nn.Linear). Not modelled: layers left
+dense (decoder_sparse_step > 1, mlp_only_layers), q/k norms and attention biases (as for dense Qwen2), the
+per-expert kernel launches of transformers' expert loop, and experts' uneven loads. No mixture-of-experts run has
+been measured against these yet: the activation and MFU coefficients are the dense fit's.
 """
 
 import math
@@ -75,15 +89,19 @@ GPUS = {kind: (PEAK_BF16_FLOPS[kind], bandwidth, memory_gb)
 
 @dataclass
 class Shape:
-    """A decoder's sizes (a transformers config's names) and its parameter count."""
+    """A decoder's sizes (a transformers config's names) and its parameter count. A mixture of experts has experts > 0,
+    experts_per_token of them active, each an MLP of `intermediate`, and maybe a shared expert (Qwen2-MoE)."""
     hidden: int
-    intermediate: int
+    intermediate: int  # the MLP's size, or each expert's
     layers: int
     heads: int
     kv_heads: int
     vocab: int
     tied: bool
     head_dim: int = 0
+    experts: int = 0  # 0: a dense model
+    experts_per_token: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden // self.heads
@@ -91,14 +109,29 @@ class Shape:
     @classmethod
     def from_config(cls, config) -> "Shape":
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, config.vocab_size,
-                   bool(getattr(config, "tie_word_embeddings", False)), getattr(config, "head_dim", None) or 0)
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        # Qwen-MoE's intermediate_size is a dense MLP's (unused when every layer is sparse), its experts' their own
+        expert_size = getattr(config, "moe_intermediate_size", None) if experts else None
+        heads = config.num_attention_heads
+        return cls(config.hidden_size, expert_size or config.intermediate_size, config.num_hidden_layers, heads,
+                   getattr(config, "num_key_value_heads", None) or heads, config.vocab_size,
+                   bool(getattr(config, "tie_word_embeddings", False)),
+                   head_dim=getattr(config, "head_dim", None) or 0, experts=experts,
+                   experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+                   shared_intermediate=(getattr(config, "shared_expert_intermediate_size", 0) or 0) if experts else 0)
 
     @property
     def layer_params(self) -> int:
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        if not self.experts:
+            return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        router = self.hidden * self.experts
+        shared = 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0  # + gate
+        return attention + self.experts * self.expert_params + router + shared + 2 * self.hidden
+
+    @property
+    def expert_params(self) -> int:  # one expert of one layer: gate, up and down projections
+        return 3 * self.hidden * self.intermediate
 
     @property
     def root_params(self) -> int:
@@ -109,18 +142,40 @@ class Shape:
         return self.layers * self.layer_params + self.root_params
 
     @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: all of a dense model's, a mixture's but the experts it skips."""
+        return self.params - self.layers * (self.experts - self.experts_per_token) * self.expert_params
+
+    @property
+    def mlp_width(self) -> int:  # the MLP activations a token keeps per layer: its k experts' and the shared one's
+        return self.experts_per_token * self.intermediate + self.shared_intermediate if self.experts else \
+            self.intermediate
+
+    def routing_bytes(self, compute: int) -> int:
+        """Per token and layer, a mixture's routing buffers: its hidden state copied into each of its k experts and
+        their outputs before the weighted sum (compute dtype), the router's logits and probabilities (fp32)."""
+        return 2 * self.experts_per_token * self.hidden * compute + 8 * self.experts if self.experts else 0
+
+    @property
     def kv_bytes_per_token(self) -> int:  # bf16 keys and values of every layer
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
-    def trained_and_frozen(self, lora_rank: int) -> tuple[int, int]:
-        """Parameters trained and frozen: all trained, or the adapters trained on a frozen base."""
-        return (self.lora_params(lora_rank), self.params) if lora_rank else (self.params, 0)
+    def trained_and_frozen(self, lora_rank: int, active: bool = False) -> tuple[int, int]:
+        """Parameters trained and frozen: all trained, or the adapters trained on a frozen base. active: only those a
+        token computes with (what FLOPs count; memory holds them all)."""
+        base = self.active_params if active else self.params
+        return (self.lora_params(lora_rank), base) if lora_rank else (base, 0)
 
     def lora_params(self, rank: int) -> int:
-        """Adapters of rank r on every linear layer of attention and MLP: r x (in + out) each."""
+        """Adapters of rank r on every linear layer of the decoder, r x (in + out) each: attention's and the MLP's; of
+        a mixture, attention's and the shared expert's with its gate (the routed experts are not nn.Linear layers)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        pairs = [(self.hidden, q), (self.hidden, kv), (self.hidden, kv), (q, self.hidden),
-                 (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        pairs = [(self.hidden, q), (self.hidden, kv), (self.hidden, kv), (q, self.hidden)]
+        mlp = self.shared_intermediate if self.experts else self.intermediate
+        if mlp:
+            pairs += [(self.hidden, mlp), (self.hidden, mlp), (mlp, self.hidden)]
+        if self.experts and self.shared_intermediate:
+            pairs.append((self.hidden, 1))  # the shared expert's gate
         return self.layers * rank * sum(a + b for a, b in pairs)
 
 
@@ -205,8 +260,9 @@ def memory(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
         resident = {"weights": (4 * trained + compute * frozen) / shard / GB}
     tokens = min(setup.max_tokens_per_micro_batch, _tokens_per_gpu(setup) * setup.trained_fraction) / \
         setup.sequence_parallel
-    per_layer = (fit["act_h"] * shape.hidden + fit["act_i"] * shape.intermediate) * compute / 2 * \
-        (fit["compile_act_share"] if setup.compile else 1.0)  # bytes a token keeps in one layer
+    # bytes a token keeps in one layer (a mixture's: its k experts' MLP activations and its routing buffers)
+    per_layer = ((fit["act_h"] * shape.hidden + fit["act_i"] * shape.mlp_width) * compute / 2
+                 + shape.routing_bytes(compute)) * (fit["compile_act_share"] if setup.compile else 1.0)
     if setup.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = tokens * (shape.layers * fit["ckpt_h"] * shape.hidden + per_layer)
     else:
@@ -246,8 +302,9 @@ def _tokens_per_gpu(setup: Setup) -> float:
 
 def mfu(shape: Shape, setup: Setup, fit: dict = FIT) -> float:
     """The training MFU the fit expects of a model this size (bf16 over packed micro-batches; compiled layers gain a
-    fitted factor; fp32 arithmetic runs at a fitted fraction of bf16's)."""
-    value = fit["mfu_at_1b"] + fit["mfu_per_decade"] * math.log10(shape.params / 1e9)
+    fitted factor; fp32 arithmetic runs at a fitted fraction of bf16's). The size is the active parameters: a token's
+    matmuls are those of its experts, not of all (the fit has seen dense models only)."""
+    value = fit["mfu_at_1b"] + fit["mfu_per_decade"] * math.log10(shape.active_params / 1e9)
     value *= (fit["compile_gain"] if setup.compile else 1.0) * (fit["fp32_share"] if setup.precision == "fp32" else 1.0)
     return min(0.6, max(0.01, value))
 
@@ -262,13 +319,14 @@ def attention_flops(shape: Shape, setup: Setup) -> float:
 
 
 def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
-    """Seconds per step by stage, and their sum. Training counts the dense FLOPs per token and attention's per
-    sequence (forward, backward, and with activation checkpointing the forward once more), all at the fitted MFU."""
+    """Seconds per step by stage, and their sum. Training counts the dense FLOPs per token (of the active parameters)
+    and attention's per sequence (forward, backward, and with activation checkpointing the forward once more), all at
+    the fitted MFU. Decoding reads every parameter each engine step, a mixture's every expert."""
     flops, bandwidth, _ = GPUS[setup.gpu]
-    trained, frozen = shape.trained_and_frozen(setup.lora_rank)
+    trained, frozen = shape.trained_and_frozen(setup.lora_rank, active=True)
     tokens = setup.samples * (setup.prompt_len + setup.response_len * (2 if setup.pairs else 1))
     trained_tokens = tokens * setup.trained_fraction
-    per_token = 6 * trained + 4 * frozen + (2 * shape.params if setup.activation_checkpointing else 0)
+    per_token = 6 * trained + 4 * frozen + (2 * shape.active_params if setup.activation_checkpointing else 0)
     attention = attention_flops(shape, setup) * setup.trained_fraction  # one forward pass
     models = 2 if setup.critic else 1
     rate = setup.gpus * flops * mfu(shape, setup, fit)
@@ -278,17 +336,18 @@ def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
     stages = {"update": models * setup.epochs * (update_flops / rate + launches)}
     passes = setup.old_logprobs_pass + setup.reference + setup.critic
     if passes:
-        stages["logprobs"] = passes * ((2 * shape.params * trained_tokens + attention) / rate + launches / 3)
+        stages["logprobs"] = passes * ((2 * shape.active_params * trained_tokens + attention) / rate + launches / 3)
     if setup.rollout:
         compute = _dtype_bytes(setup.precision)
-        weights = shape.params * compute / setup.rollout_tp
+        weights = shape.params * compute / setup.rollout_tp  # every expert: a batch's tokens touch nearly all
         sequences = setup.samples / setup.gpus * setup.rollout_tp
         kv_read = sequences * (setup.prompt_len + setup.response_len / 2) * shape.kv_bytes_per_token / 2 * compute \
             / setup.rollout_tp
         per_layer = fit["decode_layer_eager_s"] if setup.rollout_eager else fit["decode_layer_s"]
         per_step = shape.layers * per_layer + (weights + kv_read) / (bandwidth * fit["decode_bw_share"])
         steps = min(setup.max_response_len, fit["longest_over_mean"] * setup.response_len)
-        prefill = sequences * setup.prompt_len * 2 * shape.params / setup.rollout_tp / (flops * fit["prefill_mfu"])
+        prefill = sequences * setup.prompt_len * 2 * shape.active_params / setup.rollout_tp / \
+            (flops * fit["prefill_mfu"])
         stages["rollout"] = steps * per_step + prefill
         stages["sync"] = weights / (fit["sync_gb_s"] * GB)
     return {**stages, "step": sum(stages.values())}
@@ -342,8 +401,13 @@ def describe(shape: Shape, setup: Setup, fit: dict = FIT, step_assumes: str = ""
     """The planner's report in lines: memory by part per phase, the peak against the GPU, the step by stage (and,
     where step_assumes is given, what the step's figure assumes)."""
     mem, time_ = memory(shape, setup, fit), step_time(shape, setup, fit)
-    lines = [f"model: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, MLP "
-             f"{shape.intermediate}, {shape.heads} heads / {shape.kv_heads} kv, vocabulary {shape.vocab})"]
+    mlp = f"MLP {shape.intermediate}"
+    if shape.experts:
+        mlp = f"{shape.experts} experts of MLP {shape.intermediate}, {shape.experts_per_token} a token" + (
+            f", a shared expert of MLP {shape.shared_intermediate}" if shape.shared_intermediate else "")
+    active = f", {shape.active_params / 1e9:.2f}B active" if shape.experts else ""
+    lines = [f"model: {shape.params / 1e9:.2f}B parameters{active} ({shape.layers} layers, hidden {shape.hidden}, "
+             f"{mlp}, {shape.heads} heads / {shape.kv_heads} kv, vocabulary {shape.vocab})"]
     for phase in ("training", "rollout"):
         if mem[phase]:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
