@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--response-len", type=float, default=512, help="mean response tokens")
     batch.add_argument("--max-response-len", type=int, default=1024, help="the longest response: decoding takes "
                        "as many engine steps")
+    batch.add_argument("--response-lengths", choices=["natural", "geometric"], default="natural", help="how the "
+                       "longest response of a step (what decoding waits for) follows from the mean: natural, a trained "
+                       "model's (a fitted multiple of the mean); geometric, a random-weight model's (random_model.py, "
+                       "--stop-every), whose longest of n is the untruncated mean x H_n; either at most "
+                       "--max-response-len (a mean at the cap: every response runs to it)")
     batch.add_argument("--prompts-per-step", type=int, default=16, help="prompts per step over all GPUs")
     batch.add_argument("--group-size", type=int, default=16, help="responses per prompt")
     batch.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="the token budget of one "
@@ -102,6 +107,7 @@ def setup_from_args(args) -> Setup:
                  lora_rank=args.lora_rank, offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                  compile=args.compile, sequence_parallel=args.sequence_parallel, shard_size=args.shard_size,
                  rollout=not args.no_rollout, rollout_tp=args.rollout_tp, rollout_eager=args.rollout_eager,
+                 response_lengths=args.response_lengths,
                  sleep_level=args.rollout_sleep_level, critic=args.critic, reference=args.reference, pairs=args.pairs)
 
 
@@ -113,10 +119,12 @@ COVERED = ("bench_train", "grpo", "ppo", "dpo")
 
 def run_setup(run: dict) -> tuple[Shape, Setup] | None:
     """A committed run (benchmarks/results/planner/measured_runs.json) as the planner's inputs, or None for runs
-    it does not model (split placement, benches of one stage, shared GPUs). The training bench's num_samples are
-    each rank's (each sequence-parallel group's): the step's samples are that many times the groups."""
+    it does not model (split placement, synchronous or not: the planner models one colocated engine; benches of one
+    stage, shared GPUs). The training bench's num_samples are each rank's (each sequence-parallel group's): the
+    step's samples are that many times the groups. A random-weight model's responses are geometric in length (it
+    samples its end token with one probability at every token); a trained model's natural."""
     c, m = run["config"], run["model"]
-    if run["kind"] not in COVERED or c.get("placement") == "split" or run.get("shared_gpu"):
+    if run["kind"] not in COVERED or c.get("placement") in ("split", "split_async") or run.get("shared_gpu"):
         return None
     if c.get("mode") not in (None, "packed", "compiled", "compiled_layers", "synced"):
         return None  # bench_train's padded baseline: not the scripts' path
@@ -127,18 +135,21 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
         num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
         vocab_size=m["vocab_size"], tie_word_embeddings=m["tie_word_embeddings"], head_dim=m.get("head_dim"), **moe))
-    pairs = run["kind"] == "dpo"
+    pairs = run["kind"] == "dpo" and not c.get("online")  # online DPO generates samples and trains pairs of them
     samples = c.get("dpo_pairs_per_step") or c.get("num_samples") or (c.get("prompts_per_step") or 0) * (
         c.get("group_size") or 1)
     prompt = c.get("prompt_len")
     response = c.get("response_len_mean")
+    trained = 1.0
+    if run["kind"] == "dpo" and c.get("online") and run["measured"].get("pairs_per_step_median") and samples:
+        trained = min(1.0, 2 * run["measured"]["pairs_per_step_median"] / samples)  # both responses of each pair
     if pairs and c.get("tokens_per_step") and samples:  # two rows of (prompt + response) a pair
         prompt, response = c["tokens_per_step"] / samples / 2 * 0.6, c["tokens_per_step"] / samples / 2 * 0.4
     if not samples or prompt is None or response is None:
         return None
     if run["kind"] == "bench_train":  # every group of --sequence-parallel ranks steps through the same num_samples
         samples *= (c.get("train_gpus") or run["num_gpus"]) // (c.get("sequence_parallel") or 1)
-    rollout = run["kind"] in ("grpo", "ppo") or (pairs and c.get("placement") == "colocated")
+    rollout = run["kind"] in ("grpo", "ppo") or (run["kind"] == "dpo" and c.get("placement") == "colocated")
     kv = c.get("kv_cache_gib")
     setup = Setup(
         gpus=c.get("train_gpus") or run["num_gpus"], gpu=run["device"], prompt_len=prompt,
@@ -149,12 +160,15 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         activation_checkpointing=bool(c.get("activation_checkpointing")),
         compile=bool(c.get("compile")) or c.get("mode") in ("compiled", "compiled_layers"), shard_size=c.get("shard_size"),
         rollout=rollout, rollout_tp=c.get("rollout_tp") or 1, rollout_eager=bool(c.get("rollout_eager")),
+        response_lengths="geometric" if m.get("description", "").startswith("random-weight") else "natural",
         sleep_level=c.get("sleep_level"), kv_cache_gb=None if kv is None else kv * 2**30 / 1e9,
         critic=bool(c.get("critic")), reference=bool(c.get("reference")) and c.get("reference_in_memory", True),
         pairs=pairs, epochs=c.get("epochs") or 1,
-        old_logprobs_pass=run["kind"] == "ppo" or (c.get("epochs") or 1) > 1 or (c.get("num_mini_batches") or 1) > 1,
+        old_logprobs_pass=run["kind"] == "ppo" or (c.get("epochs") or 1) > 1 or (c.get("num_mini_batches") or 1) > 1
+        or (run["kind"] == "grpo" and code_passes_every_sample(run)),
         vllm_memory_gb=c["rollout_gpu_memory"] * GPUS[run["device"]][2] if 0 < (c.get("rollout_gpu_memory") or 0) <= 1
-        else None, trained_fraction=informative_fraction(run) if run["kind"] == "grpo" else 1.0,
+        else None, trained_fraction=informative_fraction(run) if run["kind"] == "grpo" and not code_passes_every_sample(run)
+        else trained,
         trainer_cache_kept=code_keeps_trainer_cache(run))
     return shape, setup
 
@@ -172,6 +186,13 @@ def informative_fraction(run: dict) -> float:
             if shares:
                 return max(statistics.median(shares), 0.01)
     return 1.0
+
+
+def code_passes_every_sample(run: dict) -> bool:
+    """grpo.py before 2026-11-24 trained every sample, groups without signal too (5878864, late on 2026-11-23, passes
+    only those with it), and took the old log-probs in a forward pass of its own (b795667, 2026-11-24, takes them from
+    the update's own pass when there is one optimizer step a batch)."""
+    return run.get("date", "") < "2026-11-24"
 
 
 def code_keeps_trainer_cache(run: dict) -> bool:
@@ -199,6 +220,8 @@ def compared(run: dict, shape: Shape, setup: Setup, fit: dict) -> dict:
         row["update"] = (times["update"], measured_update)
     if m.get("rollout_seconds") and "rollout" in times:
         row["rollout"] = (times["rollout"], m["rollout_seconds"])
+    if m.get("sync_seconds") and "sync" in times:  # fitted on, not printed
+        row["sync"] = (times["sync"], m["sync_seconds"])
     return row
 
 
@@ -235,15 +258,19 @@ BOUNDS = {"act_h": (10, 40), "act_i": (4, 16), "compile_act_share": (0.5, 1), "c
           "overhead_gb": (0.5, 5), "vllm_overhead_gb": (0.5, 6), "mfu_at_1b": (0.1, 0.5), "mfu_per_decade": (0, 0.25),
           "compile_gain": (1, 1.6), "fp32_share": (0.1, 1), "layer_pass_s": (0.0005, 0.02), "compile_pass_share": (0.3, 1),
           "longest_over_mean": (1.5, 8), "decode_bw_share": (0.2, 0.9), "decode_layer_s": (1e-5, 5e-4),
-          "decode_layer_eager_s": (2e-4, 3e-3), "prefill_mfu": (0.05, 0.6), "sync_gb_s": (10, 600)}
+          "decode_layer_eager_s": (2e-4, 3e-3), "decode_tp_layer_s": (1e-5, 2e-3), "decode_token_s": (1e-6, 1e-4),
+          "prefill_mfu": (0.05, 0.6),
+          "sync_gb_s": (10, 600), "sync_s": (0.01, 1)}
 FITS = {"memory": ["act_h", "act_i", "compile_act_share", "ckpt_h", "logit_copies", "overhead_gb", "vllm_overhead_gb"],
         "update": ["mfu_at_1b", "mfu_per_decade", "compile_gain", "fp32_share", "layer_pass_s", "compile_pass_share"],
-        "rollout": ["longest_over_mean", "decode_bw_share", "decode_layer_s", "decode_layer_eager_s", "prefill_mfu"]}
+        "rollout": ["longest_over_mean", "decode_bw_share", "decode_layer_s", "decode_layer_eager_s", "decode_tp_layer_s",
+                    "decode_token_s", "prefill_mfu"],
+        "sync": ["sync_s", "sync_gb_s"]}
 
 
 def fit_coefficients(cases: list[tuple]) -> dict:
     """Coordinate descent over FIT's coefficients within BOUNDS, each group on its own comparison (memory, update
-    time, rollout time), minimising the mean of log(predicted / measured)^2 (a run that ran out of memory counts only
+    time, rollout time, sync time), minimising the mean of log(predicted / measured)^2 (a run that ran out of memory counts only
     where the prediction is below what it measured before it did)."""
     fit = dict(FIT)
 

@@ -5,6 +5,7 @@ line."""
 
 import math
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -17,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMPLE = {"act_h": 10.0, "act_i": 4.0, "compile_act_share": 0.5, "ckpt_h": 2.0, "logit_copies": 2.0,
           "overhead_gb": 1.0, "vllm_overhead_gb": 2.0, "mfu_at_1b": 0.5, "mfu_per_decade": 0.0, "compile_gain": 1.0,
           "fp32_share": 0.5, "layer_pass_s": 0.01, "compile_pass_share": 1.0, "longest_over_mean": 2.0,
-          "decode_bw_share": 0.5, "decode_layer_s": 0.001, "decode_layer_eager_s": 0.002, "prefill_mfu": 0.5,
-          "sync_gb_s": 100.0}
+          "decode_bw_share": 0.5, "decode_layer_s": 0.001, "decode_layer_eager_s": 0.002, "decode_token_s": 1e-5,
+          "decode_tp_layer_s": 0.0005, "prefill_mfu": 0.5, "sync_gb_s": 100.0, "sync_s": 0.1}
 
 
 def test_memory_and_time_by_hand():
@@ -49,16 +50,43 @@ def test_memory_and_time_by_hand():
     assert mem["training"]["optimizer step"] == 0
     # Time: 6 FLOPs a parameter and token for the 64 x 400 tokens, and attention's 6 x 10 layers x (10 heads x 100) x
     # 400^2 for each of the 64 sequences, over two GPUs at 50% of 989 TFLOP/s, plus a fixed cost per layer and
-    # micro-batch (4 micro-batches a GPU); decoding 400 steps (min(400, 2 x 300)) of 10 layers x 1 ms + the weights
-    # and half the KV read at half of 3.35 TB/s, plus the prefill.
+    # micro-batch (4 micro-batches a GPU); decoding 400 steps (min(400, 2 x 300)) of 10 layers x 1 ms and the
+    # weights read at half of 3.35 TB/s, each of a GPU's 32 sequences reading its KV cache over its own 300 tokens
+    # (100 x 300 + 300^2 / 2 tokens), 10 us a generated token, plus the prefill; a sync 0.1 s and the weights.
     times = step_time(shape, setup, SIMPLE)
     attention = 64 * 6 * 10 * 1000 * 400**2
     assert times["update"] == pytest.approx((6 * p * 64 * 400 + attention) / (2 * 989e12 * 0.5) + 4 * 10 * 0.01)
-    kv_read = 32 * (100 + 150) * 2 * 10 * 5 * 100 * 2 / 2 * 2
-    per_step = 10 * 0.001 + (p * 2 + kv_read) / (3.35e12 * 0.5)
+    kv_read = 32 * (100 * 300 + 300**2 / 2) * 2 * 10 * 5 * 100 * 2
+    launches = 400 * 10 * 0.001 + 32 * 300 * 1e-5
+    reads = (400 * p * 2 + kv_read) / (3.35e12 * 0.5)
     prefill = 32 * 100 * 2 * p / (989e12 * 0.5)
-    assert times["rollout"] == pytest.approx(400 * per_step + prefill)
-    assert times["sync"] == pytest.approx(p * 2 / 100e9)
+    assert times["rollout"] == pytest.approx(launches + reads + prefill)
+    assert times["sync"] == pytest.approx(0.1 + p * 2 / 100e9)
+    # Eager (2 ms a layer) the CPU's launches overlap the GPU's reads: the slower of the two, here the launches; with
+    # --rollout-tp 2 each layer's all-reduces add 0.5 ms and each engine reads half the weights for 64 sequences.
+    eager = step_time(shape, replace(setup, rollout_eager=True), SIMPLE)
+    assert eager["rollout"] == pytest.approx(max(400 * 10 * 0.002 + 32 * 300 * 1e-5, reads) + prefill)
+    tp = step_time(shape, replace(setup, rollout_tp=2), SIMPLE)
+    tp_reads = (400 * p + 64 * (100 * 300 + 300**2 / 2) * 2 * 10 * 5 * 100) / (3.35e12 * 0.5)
+    assert tp["rollout"] == pytest.approx(400 * 10 * 0.0015 + 64 * 300 * 1e-5 + tp_reads + prefill)
+
+
+def test_the_longest_response_follows_from_how_responses_end():
+    """Decoding waits for the step's longest response. A trained model's ("natural"): a fitted multiple of the mean,
+    at most the cap. A random model's ("geometric", one chance of ending at every token): exponential lengths, the
+    longest of n of mean mu is mu x H_n; all at the cap when the mean is the cap; a capped mean of
+    1000 (1 - exp(-0.512)) = 400.7 under a cap of 512 is mu = 1000, whose longest of 256 (6,124) the cap cuts."""
+    from common.run.response_lengths import response_lengths
+    base = Setup(response_len=100, max_response_len=8192, samples=4)
+    assert response_lengths(base, SIMPLE) == (200, 100**2)
+    assert response_lengths(replace(base, response_len=5000), SIMPLE) == (8192, 5000**2)
+    longest, mean_square = response_lengths(replace(base, response_lengths="geometric"), SIMPLE)
+    assert longest == pytest.approx(100 * (1 + 1 / 2 + 1 / 3 + 1 / 4))  # mu = 100: the cap is 82 means away
+    assert mean_square == pytest.approx(2 * 100**2)  # an exponential's second moment
+    capped = Setup(response_len=1000 * (1 - math.exp(-0.512)), max_response_len=512, samples=256,
+                   response_lengths="geometric")
+    assert response_lengths(capped, SIMPLE)[0] == 512
+    assert response_lengths(replace(capped, response_len=512), SIMPLE) == (512, 512**2)
 
 
 def test_a_mixture_of_experts_holds_every_expert_and_computes_with_its_top_k():
@@ -107,9 +135,10 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_with_its_top_k():
     # Time: 6 FLOPs an active parameter and token; decoding reads every expert.
     attention_flops = 8 * 6 * 2 * 4 * 16 * 400**2
     assert times["update"] == pytest.approx((6 * active * 8 * 400 + attention_flops) / (989e12 * 0.5) + 2 * 0.01)
-    kv_read = 8 * (100 + 150) * 2 * 2 * 2 * 16 * 2
+    kv_read = 8 * (100 * 300 + 300**2 / 2) * 2 * 2 * 2 * 16 * 2
     prefill = 8 * 100 * 2 * active / (989e12 * 0.5)
-    assert times["rollout"] == pytest.approx(400 * (2 * 0.001 + (2 * p + kv_read) / (3.35e12 * 0.5)) + prefill)
+    assert times["rollout"] == pytest.approx(400 * 2 * 0.001 + 8 * 300 * 1e-5 + (400 * 2 * p + kv_read) / (3.35e12 * 0.5)
+                                             + prefill)
     # The MFU's size is the active parameters': qwen3-30b-a3b's 3.35B, not its 30.5B.
     from scripts.plan import shape_named
     big = shape_named("qwen3-30b-a3b")

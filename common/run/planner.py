@@ -26,10 +26,13 @@ The peak is that of the training phase or of the rollout phase, whichever is lar
 trainer runs; the trainer's weights and optimizer stay while the engine generates, unless --offload).
 
 Time per step, by stage (s): rollout (decoding: as many engine steps as the longest response has tokens, each reading
-the weights and the live KV cache at a fitted share of the memory bandwidth, plus a fixed cost per step), logprobs
+the weights at a fitted share of the memory bandwidth with a fixed cost per layer (launches; all-reduces with
+--rollout-tp), plus each sequence's KV cache over its own tokens and a fixed cost per generated token; eager, the CPU's
+part overlaps the GPU's reads; the longest response follows from the mean as response_lengths says), logprobs
 (forward passes: 2 FLOPs per parameter and token), update (6 FLOPs per trained parameter and token, 4 per frozen one,
 2 more with activation checkpointing, at an MFU that grows with the model's size), both plus attention's FLOPs, which
-grow with the square of each sequence's length (attention_flops), sync (the rollout weights at a fitted bandwidth).
+grow with the square of each sequence's length (attention_flops), sync (a fixed cost and the rollout weights at a
+fitted bandwidth).
 The coefficients in FIT were fitted to the committed GPU runs (scripts/plan.py --validate prints the comparison;
 benchmarks/README.md, Capacity planner).
 
@@ -40,6 +43,7 @@ import math
 from dataclasses import dataclass, replace
 
 from common.run.perf import PEAK_BF16_FLOPS
+from common.run.response_lengths import response_lengths
 from common.run.shapes import Shape
 
 GB = 1e9
@@ -47,28 +51,31 @@ GB = 1e9
 # Fitted to the committed GPU runs (scripts/plan.py --fit): see the module's docstring for what each scales.
 FIT = {
     "act_h": 22.1,  # activation bytes (bf16) per token and layer per unit of hidden size (no checkpointing)
-    "act_i": 8.4,  # the same per unit of MLP size
-    "compile_act_share": 0.72,  # what compiled layers keep of that (fused kernels save fewer intermediates)
+    "act_i": 8.82,  # the same per unit of MLP size
+    "compile_act_share": 0.684,  # what compiled layers keep of that (fused kernels save fewer intermediates)
     "ckpt_h": 2.0,  # with activation checkpointing: bytes per token and layer per unit of hidden size kept
-    "logit_copies": 1.22,  # fp32 [chunk, vocab] buffers alive at once in the chunked LM head
-    "overhead_gb": 3.15,  # CUDA context, NCCL and the allocator's slack on a training GPU
+    "logit_copies": 1.83,  # fp32 [chunk, vocab] buffers alive at once in the chunked LM head
+    "overhead_gb": 3.14,  # CUDA context, NCCL and the allocator's slack on a training GPU
     "vllm_overhead_gb": 6.0,  # vLLM's workspace, sampler and CUDA graphs beside its weights and KV cache
-    "mfu_at_1b": 0.354,  # training MFU of a 1B-parameter model (bf16, packed micro-batches)
-    "mfu_per_decade": 0.148,  # its change per factor 10 in parameters
+    "mfu_at_1b": 0.353,  # training MFU of a 1B-parameter model (bf16, packed micro-batches)
+    "mfu_per_decade": 0.117,  # its change per factor 10 in parameters
     "compile_gain": 1.39,  # MFU with torch.compile'd layers over eager
-    "fp32_share": 0.134,  # MFU in fp32 arithmetic over bf16
-    "layer_pass_s": 0.00638,  # fixed cost of one layer's forward and backward over one micro-batch (launches), eager
+    "fp32_share": 0.11,  # MFU in fp32 arithmetic over bf16
+    "layer_pass_s": 0.00569,  # fixed cost of one layer's forward and backward over one micro-batch (launches), eager
     "compile_pass_share": 1.0,  # what compiled layers keep of that
-    "longest_over_mean": 3.2,  # the longest response of a step over the mean (decoding waits for it)
-    "decode_bw_share": 0.722,  # the share of the HBM bandwidth a decoding step reads weights and KV at
-    "decode_layer_s": 0.000132,  # fixed cost per decoder layer of one engine step with CUDA graphs
-    "decode_layer_eager_s": 0.000766,  # the same without them (--rollout-eager)
+    "longest_over_mean": 4.03,  # a trained model's longest response of a step over the mean (decoding waits for it)
+    "decode_bw_share": 0.812,  # the share of the HBM bandwidth a decoding step reads weights and KV at
+    "decode_layer_s": 2.02e-05,  # fixed cost per decoder layer of one engine step with CUDA graphs
+    "decode_layer_eager_s": 0.000562,  # the same without them (--rollout-eager): the CPU's kernel launches
+    "decode_token_s": 2.55e-05,  # fixed cost per generated token: sampling it and processing the engine's output
+    "decode_tp_layer_s": 0.000127,  # added per layer with --rollout-tp > 1: its all-reduces
     "prefill_mfu": 0.6,  # MFU of the prompts' prefill
-    "sync_gb_s": 100.0,  # weights streamed into the colocated engine, GB/s
+    "sync_gb_s": 21.2,  # weights streamed into the colocated engine, GB/s
+    "sync_s": 0.116,  # fixed cost of a sync: waking the engine, gathering the shards, resetting its prefix cache
 }
 
 HEADROOM = 0.9  # a configuration fits when its predicted peak is within this share of the GPU (the model's median
-# error is 7%, and a step's micro-batches differ)
+# error is 5%, and a step's micro-batches differ)
 
 # Per GPU kind: dense bf16 FLOP/s (common/run/perf.py's), HBM bandwidth (bytes/s), memory (GB of 1e9 bytes, as
 # torch.cuda.mem_get_info and perf/peak_memory_gb count them).
@@ -97,6 +104,7 @@ class Setup:
     rollout: bool = True  # a colocated engine generates (offline DPO: none)
     rollout_tp: int = 1
     rollout_eager: bool = False
+    response_lengths: str = "natural"  # or "geometric" (random weights): how long the longest is (response_lengths)
     sleep_level: int | None = None  # None: the scripts' default (0 when vLLM's weights take at most 15% of the GPU)
     kv_cache_gb: float | None = None  # None: the scripts' default size
     vllm_memory_gb: float | None = None  # --rollout-gpu-memory as a share of the GPU: vLLM's whole pool
@@ -238,15 +246,20 @@ def step_time(shape: Shape, setup: Setup, fit: dict = FIT) -> dict:
         compute = _dtype_bytes(setup.precision)
         weights = shape.params * compute / setup.rollout_tp  # every expert: a batch's tokens touch nearly all
         sequences = setup.samples / setup.gpus * setup.rollout_tp
-        kv_read = sequences * (setup.prompt_len + setup.response_len / 2) * shape.kv_bytes_per_token / 2 * compute \
-            / setup.rollout_tp
-        per_layer = fit["decode_layer_eager_s"] if setup.rollout_eager else fit["decode_layer_s"]
-        per_step = shape.layers * per_layer + (weights + kv_read) / (bandwidth * fit["decode_bw_share"])
-        steps = min(setup.max_response_len, fit["longest_over_mean"] * setup.response_len)
+        steps, mean_square = response_lengths(setup, fit)
+        # each sequence reads its prompt and the response so far at each of its own steps: P x L + L^2 / 2 tokens
+        kv_read = sequences * (setup.prompt_len * setup.response_len + mean_square / 2) * \
+            shape.kv_bytes_per_token / 2 * compute / setup.rollout_tp
+        per_layer = (fit["decode_layer_eager_s"] if setup.rollout_eager else fit["decode_layer_s"]) + \
+            (fit["decode_tp_layer_s"] if setup.rollout_tp > 1 else 0.0)
+        launches = steps * shape.layers * per_layer + sequences * setup.response_len * fit["decode_token_s"]
+        reads = (steps * weights + kv_read) / (bandwidth * fit["decode_bw_share"])
         prefill = sequences * setup.prompt_len * 2 * shape.active_params / setup.rollout_tp / \
             (flops * fit["prefill_mfu"])
-        stages["rollout"] = steps * per_step + prefill
-        stages["sync"] = weights / (fit["sync_gb_s"] * GB)
+        # the CPU's share (launches, and each token's sampling and output processing) and the GPU's reads: with CUDA
+        # graphs one after the other; eager, the CPU launches the next kernels while the GPU reads, the slower leads
+        stages["rollout"] = (max(launches, reads) if setup.rollout_eager else launches + reads) + prefill
+        stages["sync"] = fit["sync_s"] + weights / (fit["sync_gb_s"] * GB)
     return {**stages, "step": sum(stages.values())}
 
 
