@@ -140,7 +140,9 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         c.get("group_size") or 1)
     prompt = c.get("prompt_len")
     response = c.get("response_len_mean")
-    trained = 1.0
+    trained = 1.0  # the share of the samples the update passes
+    if run["kind"] == "grpo" and not code_passes_every_sample(run):
+        trained = informative_fraction(run)
     if run["kind"] == "dpo" and c.get("online") and run["measured"].get("pairs_per_step_median") and samples:
         trained = min(1.0, 2 * run["measured"]["pairs_per_step_median"] / samples)  # both responses of each pair
     if pairs and c.get("tokens_per_step") and samples:  # two rows of (prompt + response) a pair
@@ -167,9 +169,7 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         old_logprobs_pass=run["kind"] == "ppo" or (c.get("epochs") or 1) > 1 or (c.get("num_mini_batches") or 1) > 1
         or (run["kind"] == "grpo" and code_passes_every_sample(run)),
         vllm_memory_gb=c["rollout_gpu_memory"] * GPUS[run["device"]][2] if 0 < (c.get("rollout_gpu_memory") or 0) <= 1
-        else None, trained_fraction=informative_fraction(run) if run["kind"] == "grpo" and not code_passes_every_sample(run)
-        else trained,
-        trainer_cache_kept=code_keeps_trainer_cache(run))
+        else None, trained_fraction=trained, trainer_cache_kept=code_keeps_trainer_cache(run))
     return shape, setup
 
 
@@ -263,14 +263,15 @@ BOUNDS = {"act_h": (10, 40), "act_i": (4, 16), "compile_act_share": (0.5, 1), "c
           "sync_gb_s": (10, 600), "sync_s": (0.01, 1)}
 FITS = {"memory": ["act_h", "act_i", "compile_act_share", "ckpt_h", "logit_copies", "overhead_gb", "vllm_overhead_gb"],
         "update": ["mfu_at_1b", "mfu_per_decade", "compile_gain", "fp32_share", "layer_pass_s", "compile_pass_share"],
-        "rollout": ["longest_over_mean", "decode_bw_share", "decode_layer_s", "decode_layer_eager_s", "decode_tp_layer_s",
-                    "decode_token_s", "prefill_mfu"],
+        "rollout": ["longest_over_mean", "decode_bw_share", "decode_layer_s", "decode_layer_eager_s",
+                    "decode_tp_layer_s", "decode_token_s", "prefill_mfu"],
         "sync": ["sync_s", "sync_gb_s"]}
 
 
 def fit_coefficients(cases: list[tuple]) -> dict:
     """Coordinate descent over FIT's coefficients within BOUNDS, each group on its own comparison (memory, update
-    time, rollout time, sync time), minimising the mean of log(predicted / measured)^2 (a run that ran out of memory counts only
+    time, rollout time, sync time), minimising the mean of log(predicted / measured)^2 (a run that ran out of memory
+    counts only
     where the prediction is below what it measured before it did)."""
     fit = dict(FIT)
 

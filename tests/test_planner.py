@@ -137,8 +137,8 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_with_its_top_k():
     assert times["update"] == pytest.approx((6 * active * 8 * 400 + attention_flops) / (989e12 * 0.5) + 2 * 0.01)
     kv_read = 8 * (100 * 300 + 300**2 / 2) * 2 * 2 * 2 * 16 * 2
     prefill = 8 * 100 * 2 * active / (989e12 * 0.5)
-    assert times["rollout"] == pytest.approx(400 * 2 * 0.001 + 8 * 300 * 1e-5 + (400 * 2 * p + kv_read) / (3.35e12 * 0.5)
-                                             + prefill)
+    reads = (400 * 2 * p + kv_read) / (3.35e12 * 0.5)
+    assert times["rollout"] == pytest.approx(400 * 2 * 0.001 + 8 * 300 * 1e-5 + reads + prefill)
     # The MFU's size is the active parameters': qwen3-30b-a3b's 3.35B, not its 30.5B.
     from scripts.plan import shape_named
     big = shape_named("qwen3-30b-a3b")
