@@ -45,12 +45,23 @@
 #                                                        # parameters, peak memory, sync time, rollout/logprob_diff
 #                                                        # (MOE_SHAPE=qwen3-30b-a3b EXTRA="--lora-rank 32
 #                                                        # --activation-checkpointing": the 30B shape with LoRA)
+#   bash scripts/gpu_checks.sh preempt OUTDIR [GPUS]     # issue 41's stops and restarts, grpo split over 2 GPUs (one
+#                                                        # trains, one generates with vLLM a step ahead): SIGTERM to
+#                                                        # every process during an update, then during generation,
+#                                                        # each relaunched with the same command; and torchrun
+#                                                        # --max-restarts 1 with a trainer killed (SIGKILL) mid-run.
+#                                                        # OUTDIR/preempt_summary.txt: PASS/FAIL per case. Five
+#                                                        # launches and a restart, each starting vLLM (an estimated
+#                                                        # 6-8 minutes in all); CASES runs some of "update generate
+#                                                        # kill9" (two calls: CASES="update generate", CASES=kill9)
 # Logs and JSON land in OUTDIR. Models are random-weight Qwen2.5 shapes (scripts/random_model.py): SHAPE overrides the
 # mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
 # together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
 #   SHAPE=tiny EXTRA="--rollout-engine hf --steps 3 --prompts-per-step 4 --max-response-len 8 --eval-size 4" \
 #     bash scripts/gpu_checks.sh ppo /tmp/smoke
 #   SHAPE=tiny EXTRA="--steps 3 --pairs-per-step 8 --eval-size 8" bash scripts/gpu_checks.sh dpo /tmp/smoke
+#   SHAPE=tiny EXTRA="--rollout-engine hf --prompts-per-step 4 --max-response-len 8 --eval-size 4" \
+#     bash scripts/gpu_checks.sh preempt /tmp/smoke
 set -u
 mode=$1; out=$2; mkdir -p "$out"
 EXTRA=${EXTRA:-}
@@ -315,4 +326,38 @@ for key in ("rollout/logprob_diff", "moe/max_load", "moe/router_entropy", "moe/r
 PY
     summary $name /tmp/$name
   done
+fi
+if [ "$mode" = preempt ]; then
+  # The stop moments are the fault tests' (tests/test_split.py, tests/test_restarts.py), reached through their
+  # environment variables (common/run/signals.py), which work under any torchrun: NANORL_TEST_SIGNAL=update:3 sends
+  # SIGTERM to every process of the launch (as Slurm does) when the trainer starts step 3's update; generate:3 when the
+  # rollout rank starts generating batch 3 (the trainer then trains batch 2); NANORL_TEST_CRASH=update:3:rank=0:once
+  # kills the trainer (SIGKILL, as kill -9) as it starts step 3's update, before torchrun's restart only. States:
+  # none before the stop but the stop's own; every 2 steps for the restart, which must resume from state 2.
+  g=${3:-0,1}; limit=${LIMIT:-300}
+  PREEMPT="grpo.py --model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4
+    --rollout-engine vllm --rollout-eager --rollout-ranks 1 --async-rollout --max-response-len 128
+    --prompts-per-step 16 --group-size 4 --eval-every 0 --eval-size 16"
+  launch() {  # launch NAME [VAR=VALUE...] COMMAND...: as run, keeping the exit code in OUTDIR/NAME.rc for the check
+    local name=$1; shift
+    CUDA_VISIBLE_DEVICES=$g timeout "$limit" env "$@" > "$out/$name.log" 2>&1; echo $? > "$out/$name.rc"
+    echo "$name rc=$(cat "$out/$name.rc")"
+  }
+  for case in ${CASES:-update generate kill9}; do
+    dir=/tmp/preempt_$case; rm -rf "$dir"
+    if [ "$case" = kill9 ]; then
+      launch preempt_kill9 NANORL_TEST_CRASH=update:3:rank=0:once torchrun --standalone --nproc_per_node 2 \
+        --max-restarts 1 $PREEMPT --steps 4 --save-state-every 2 --output-dir "$dir" $EXTRA
+      python3 scripts/preempt_check.py restart preempt_kill9 "$dir" "$out" 4 2 | tee "$out/preempt_${case}_summary.txt"
+    else
+      launch preempt_${case}_stopped NANORL_TEST_SIGNAL=$case:3 torchrun --standalone --nproc_per_node 2 $PREEMPT \
+        --steps 5 --save-state-every 0 --output-dir "$dir" $EXTRA
+      python3 scripts/preempt_check.py facts "$dir" > "$out/preempt_${case}_stopped.json"
+      launch preempt_${case}_resumed torchrun --standalone --nproc_per_node 2 $PREEMPT --steps 5 --save-state-every 0 \
+        --output-dir "$dir" $EXTRA
+      python3 scripts/preempt_check.py stop preempt_$case "$dir" "$out" 5 | tee "$out/preempt_${case}_summary.txt"
+    fi
+    cp "$dir/metrics.jsonl" "$out/preempt_${case}_metrics.jsonl" 2>/dev/null; rm -rf "$dir"  # states: 6 GB each
+  done
+  cat "$out"/preempt_*_summary.txt > "$out/preempt_summary.txt"  # with the cases of earlier calls (CASES)
 fi
