@@ -23,6 +23,8 @@ LAYOUT_KEEPING_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
 def is_moe(config) -> bool:
+    """Whether a transformers config (or a multimodal one's text part) has routed experts."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return any(isinstance(getattr(config, field, None), int) and getattr(config, field) > 0 for field in EXPERT_COUNTS)
 
 

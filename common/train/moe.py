@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sharding.vllm_moe import EXPERT_COUNTS, is_moe
+
 # The routers this code knows, by model type: each computes softmax(logits), takes the top k, and (per the config's
 # norm_topk_prob; Mixtral always) renormalises their probabilities into the gate values.
 ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "olmoe": "OlmoeTopKRouter",
@@ -45,18 +47,13 @@ class RoutingReplayArgs:
     same ones. Single-turn rollouts only"""
 
 
-def is_moe(config) -> bool:
-    config = config.get_text_config()
-    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
-
-
 def active_share(config) -> float:
     """The share of a layer's experts each token runs through (top k of them): what an expert weight counts for in
     FLOPs per token, and so in MFU. 1 for a model without experts."""
     if config is None or not is_moe(config):
         return 1.0
     config = config.get_text_config()
-    return config.num_experts_per_tok / (getattr(config, "num_experts", None) or config.num_local_experts)
+    return config.num_experts_per_tok / next(getattr(config, f) for f in EXPERT_COUNTS if getattr(config, f, None))
 
 
 def check_routing_replay(args, config) -> None:
@@ -128,9 +125,7 @@ class RouterHooks:
     def _count(self, layer: int, logits, experts, agree) -> None:
         """Adds a pass's routes of one layer to the step's sums; keeps its load-balancing loss for the update."""
         if self.sums is None:
-            zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=logits.device)
-            self.sums = {"load": zeros(self.num_layers, self.num_experts), "entropy": zeros(self.num_layers),
-                         "tokens": zeros(self.num_layers), "aux": zeros(self.num_layers), "agree": zeros(2)}
+            self.sums = self._zero_sums(logits.device)
         tokens = max(len(logits), 1)
         load = torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)  # [experts]
         log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -146,13 +141,14 @@ class RouterHooks:
             if agree is not None:
                 self.sums["agree"] += agree
 
+    def _zero_sums(self, device) -> dict[str, torch.Tensor]:
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)
+        return {"load": zeros(self.num_layers, self.num_experts), "entropy": zeros(self.num_layers),
+                "tokens": zeros(self.num_layers), "aux": zeros(self.num_layers), "agree": zeros(2)}
+
     def take_metrics(self, device) -> dict[str, float]:
         """Collective: the sums since the last call, over every rank, as logged; then starts over."""
-        sums = self.sums or {"load": torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64),
-                             "entropy": torch.zeros(self.num_layers, dtype=torch.float64),
-                             "tokens": torch.zeros(self.num_layers, dtype=torch.float64),
-                             "aux": torch.zeros(self.num_layers, dtype=torch.float64),
-                             "agree": torch.zeros(2, dtype=torch.float64)}
+        sums = self.sums or self._zero_sums(device)
         self.sums = None
         flat = torch.cat([v.flatten() for v in sums.values()]).to(device)
         if dist.is_initialized():
