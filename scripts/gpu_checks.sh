@@ -39,12 +39,15 @@
 #                                                        # N), every sync checked; then the sharded run's state of step 3
 #                                                        # resumed replicated: steps 4-6 beside the uninterrupted run's
 #   bash scripts/gpu_checks.sh moe OUTDIR [GPUS]         # grpo at a mixture-of-experts shape (MOE_SHAPE, default
-#                                                        # olmoe-1b-7b: 6.9B total, 1.3B active), full fine-tuning,
+#                                                        # olmoe-1b-4b: 3.7B total, 1.3B active; olmoe-1b-7b's full
+#                                                        # fine-tuning does not fit one GPU), full fine-tuning,
 #                                                        # colocated vLLM, every sync checked, the same seed without
-#                                                        # and with --routing-replay: step time, MFU on active
+#                                                        # and with --routing-replay (REPLAY="off on", or one of
+#                                                        # them, e.g. each on its own GPU): step time, MFU on active
 #                                                        # parameters, peak memory, sync time, rollout/logprob_diff
 #                                                        # (MOE_SHAPE=qwen3-30b-a3b EXTRA="--lora-rank 32
-#                                                        # --activation-checkpointing": the 30B shape with LoRA)
+#                                                        # --activation-checkpointing": the 30B shape with LoRA;
+#                                                        # LIMIT: seconds a run, TAG: a suffix for the names)
 #   bash scripts/gpu_checks.sh preempt OUTDIR [GPUS]     # issue 41's stops and restarts, grpo split over 2 GPUs (one
 #                                                        # trains, one generates with vLLM a step ahead): SIGTERM to
 #                                                        # every process during an update, then during generation,
@@ -308,11 +311,11 @@ PY
   for d in 1 $n resumed; do cp /tmp/hsdp_$d/metrics.jsonl "$out/hsdp_${shape}_${n}gpu_$d.jsonl"; done
 fi
 if [ "$mode" = moe ]; then
-  moe=${MOE_SHAPE:-olmoe-1b-7b}; g=${3:-0}; n=$(count "$g")
+  moe=${MOE_SHAPE:-olmoe-1b-4b}; g=${3:-0}; n=$(count "$g")
   [ -d /tmp/$moe ] || python3 scripts/random_model.py --shape $moe --stop-every 500 --out /tmp/$moe || exit 1
-  for replay in off on; do
-    name=grpo_${moe}_${n}gpu_replay_$replay
-    run $name 540 $g torchrun --standalone --nproc_per_node "$n" grpo.py --model /tmp/$moe \
+  for replay in ${REPLAY:-off on}; do
+    name=grpo_${moe}_${n}gpu_replay_$replay${TAG:+_$TAG}
+    run $name ${LIMIT:-540} $g torchrun --standalone --nproc_per_node "$n" grpo.py --model /tmp/$moe \
       --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-5 --steps ${STEPS:-5} --eval-every 0 \
       --eval-size 16 --prompts-per-step 32 --group-size 8 --max-response-len 1024 --precision bf16 --check-weight-sync \
       --logprob-diff-every 1 --rollout-engine vllm --save-state-every 0 --resume none --overwrite \

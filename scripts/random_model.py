@@ -41,6 +41,12 @@ MOE_SHAPES = {
                                   num_attention_heads=16, num_key_value_heads=16, num_experts=64,
                                   num_experts_per_tok=8, vocab_size=50304, rope_theta=1e4,
                                   max_position_embeddings=4096)),
+    # OLMoE-1B-7B with half its experts (top-8 of 32): 3.7B / 1.3B, whose full fine-tuning fits one H200 (fp32
+    # master weights, gradients and Adam moments are 16 bytes a parameter: 111 GB at 6.9B, before anything else).
+    "olmoe-1b-4b": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=32,
+                                  num_experts_per_tok=8, vocab_size=50304, rope_theta=1e4,
+                                  max_position_embeddings=4096)),
     # Qwen3-30B-A3B's config: 30.5B / 3.3B.
     "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

@@ -18,8 +18,9 @@
 #                      warmup steps) and one change each (the loss normaliser, Adam's beta2, TIS, no warmup, no
 #                      gradient clipping, fp32), seeds 1 and 2, all at once on one GPU
 #   lora-grpo          scripts/ablate.py: grpo-addition with full fine-tuning (lr 1e-5) and with LoRA rank 32 at lr
-#                      1e-4 and 3e-4, seeds 1 and 2 (SEEDS), PARALLEL at once on one GPU, all in micro-batches of 8k
-#                      tokens (the same update as 16k's in about half the memory, so that more runs share a GPU)
+#                      1e-4 and 3e-4 (VARIANTS, default "full lora-1e-4 lora-3e-4"; lora-LR for another lr), seeds 1
+#                      and 2 (SEEDS), PARALLEL at once on one GPU, all in micro-batches of 8k tokens (the same update
+#                      as 16k's in about half the memory, so that more runs share a GPU)
 #   lora-dpo-hh        dpo-hh with LoRA rank 32 (lr 5e-5, 10x dpo-hh's); dpo-hh itself is the full fine-tuning run
 #   calculator-warmup  dpo.py on scripts/make_multiplication.py's pairs (a calculator call over a wrong direct answer,
 #                      1,024 pairs, 64 held out, one epoch, --sft-weight 1): SmolLM2 never calls a tool by itself
@@ -70,10 +71,14 @@ case $recipe in
                    --variant all-token-mean="--loss-agg all-token-mean" --variant adam-beta2-0.999="--adam-beta2 0.999" \
                    --variant tis-cap-3="--tis-cap 3" --variant warmup-0="--warmup-steps 0" \
                    --variant no-grad-clip="--max-grad-norm 1e9" --variant fp32="--precision fp32" "$@" ;;
-  lora-grpo) exec python scripts/ablate.py --out "$out" --seeds ${SEEDS:-1 2} --parallel "${PARALLEL:-6}" --base \
+  lora-grpo) variants=()
+             for v in ${VARIANTS:-full lora-1e-4 lora-3e-4}; do  # full: --lr 1e-5; lora-LR: rank 32 at lr LR
+               if [ "$v" = full ]; then variants+=(--variant "full=--lr 1e-5")
+               else variants+=(--variant "$v=--lora-rank 32 --lr ${v#lora-}"); fi
+             done
+             exec python scripts/ablate.py --out "$out" --seeds ${SEEDS:-1 2} --parallel "${PARALLEL:-6}" --base \
                    "grpo.py $(printf '%q ' "${addition[@]}") --prompts-per-step 32 --group-size 8 --steps 30 \
-                   --rollout-gpu-memory 4 --rollout-eager --max-tokens-per-micro-batch 8192" --variant full="--lr 1e-5" \
-                   --variant lora-1e-4="--lora-rank 32 --lr 1e-4" --variant lora-3e-4="--lora-rank 32 --lr 3e-4" "$@" ;;
+                   --rollout-gpu-memory 4 --rollout-eager --max-tokens-per-micro-batch 8192" "${variants[@]}" "$@" ;;
   lora-dpo-hh) exec "${run[@]}" dpo.py --model "$model" --dataset "$hh" --eval-size 312 --lr 5e-5 --lora-rank 32 \
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
   calculator-warmup) python scripts/make_multiplication.py pairs --rows 1024 --out /tmp/calculator_pairs.jsonl
