@@ -78,7 +78,7 @@ def reward(prompt, completion, answer):
 PY
 shape=${SHAPE:-$([ "$mode" = dpo ] && echo 1.5b || echo 0.5b)}
 model=/tmp/qwen${shape}_$mode  # one per mode: modes may run side by side on one machine
-case $mode in 7b|lora*|long|train-long|moe) ;; *) python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
+case $mode in 7b|lora*|long|train-long|moe) ;; *) [ -f $model/tokenizer.json ] || python3 scripts/random_model.py --shape $shape --out $model || exit 1 ;; esac
 SMALL="--model $model --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check --lr 1e-4 --steps 20 --eval-every 10
   --max-response-len 128 --prompts-per-step 32 --group-size 8 --eval-size 64 --check-weight-sync --rollout-engine vllm --resume none --overwrite"
 GRPO="grpo.py $SMALL"

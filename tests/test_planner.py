@@ -243,6 +243,15 @@ def test_a_stage_out_of_memory_is_one_line(tmp_path):
     assert_one_line_error(result, "out of GPU memory in stage 'update' of step 2")
 
 
+def test_out_of_memory_at_start_up_is_one_line(tmp_path):
+    """The same at start-up, where the engine is made beside the trainer's weights (Qwen3-30B-A3B with LoRA on one
+    H200 stops there): one line, no traceback."""
+    from test_grpo_e2e import TINY, assert_one_line_error, torchrun
+    result = torchrun([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "run")], tmp_path,
+                      env={"NANORL_TEST_CRASH": "start-up:0:oom"})
+    assert_one_line_error(result, "out of GPU memory at start-up")
+
+
 def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monkeypatch):
     """plan_run on a GPU (its two CUDA queries stood in for: CPU has none): the built-in model's step needs more than
     the 90% of a 4 GB GPU without activation checkpointing (3.15 GB of overhead alone), so an unset flag turns on and

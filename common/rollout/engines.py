@@ -24,6 +24,7 @@ from common.rollout.completion import Completion
 from common.rollout.vllm_engine import VLLMRolloutEngine
 from common.run.distributed import max_over_ranks
 from common.run.errors import user_error
+from common.run.signals import crash_point
 from common.train.moe import recorded_routes
 
 
@@ -168,6 +169,7 @@ def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token
     vLLM's LoRA layers): see VLLMRolloutEngine. The HF engine generates with the policy itself, adapters and all.
     record_routes (MoE --routing-replay): each completion carries the experts its tokens went through."""
     kind = resolve_engine_kind(kind)
+    crash_point("start-up", 0)  # tests: an engine that does not fit beside the trainer (oom)
     if kind == "hf":
         return HFRolloutEngine(model, stop_token_ids, tokenizer.pad_token_id, rank, record_routes)
     if kind == "vllm":

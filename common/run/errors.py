@@ -68,6 +68,9 @@ def describe(error: BaseException) -> str | None:
         return None
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (Ctrl-C) before training started"
+    if type(error).__name__ == "OutOfMemoryError" and not os.environ.get("NANORL_TRACEBACK"):
+        from common.run.planner import out_of_memory_report  # the loop's stages say theirs (common/run/logger.py)
+        return f"error: {out_of_memory_report('start-up', 0, error)}"
     user = isinstance(error, USER_ERRORS)
     if (user or _is_lost_peer(error)) and not os.environ.get("NANORL_TRACEBACK"):
         text = " ".join(str(error).split("\n")[0].split()) or type(error).__name__

@@ -400,18 +400,20 @@ def plan_run(args, world: int, device) -> list[str]:
 
 
 def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
-    """The one line a stage that ran out of GPU memory says: where, what is in use, and the flags that would fit."""
+    """The one line a stage that ran out of GPU memory says: where, what is in use, and the flags that would fit.
+    stage "start-up": before the loop (loading the models, starting the engine). The GPU's own count of what is in
+    use, not PyTorch's: vLLM's sleep mode unmaps memory that PyTorch's allocator still counts as allocated."""
     import torch
-    line = f"out of GPU memory in stage '{stage}' of step {step}"
+    line = "out of GPU memory at start-up" if stage == "start-up" else \
+        f"out of GPU memory in stage '{stage}' of step {step}"
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        line += (f": {(total - free) / GB:.1f} of {total / GB:.1f} GB in use, {torch.cuda.memory_allocated() / GB:.1f} "
-                 f"GB of it PyTorch's tensors")
+        line += f": {(total - free) / GB:.1f} of {total / GB:.1f} GB in use"
     line += f" ({' '.join(str(error).split())[:120]})"
     if _plan is not None:
         shape, setup = _plan
         mem = memory(shape, setup)
-        phase = "rollout" if stage in ("rollout", "generate", "eval", "sync", "check_sync") else "training"
+        phase = "rollout" if stage in ("start-up", "rollout", "generate", "eval", "sync", "check_sync") else "training"
         parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
         found = fixes(shape, setup)
         line += f"; the planner expects {sum(mem[phase].values()):.1f} GB ({parts})"
