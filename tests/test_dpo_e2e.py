@@ -75,16 +75,18 @@ RESUMABLE = ["--steps", "8", "--pairs-per-step", "16", "--eval-size", "32", "--e
 def test_killed_run_resumes_exactly(tmp_path):
     """Killed after step 3's state: resumed from it, equal to an uninterrupted run metric for metric and weight
     for weight; online too, with the reference refreshed every 2 steps (saved with the state). The finished run,
-    launched again, has nothing to do and reports the same before -> after accuracies; with a smaller --steps, none."""
+    launched again, has nothing to do and reports the same before -> after accuracies; with a smaller --steps, none
+    (offline DPO only: the run directory's logic, the same for every variant)."""
     for extra in ([], ["--loss-type", "kto"], ["--online", "--prompts-per-step", "8", "--ref-update-every", "2"]):
         whole, killed = tmp_path / f"whole{len(extra)}", tmp_path / f"killed{len(extra)}"  # (2 and 5 flags: apart)
         first = dpo([*RESUMABLE, *extra, "--output-dir", str(whole)], tmp_path)
         assert first.returncode == 0
-        again = dpo([*RESUMABLE, *extra, "--output-dir", str(whole)], tmp_path)
-        assert "nothing to do" in again.stdout + again.stderr
-        assert accuracies(again.stdout + again.stderr) == accuracies(first.stdout + first.stderr) != {}
-        fewer = dpo([*RESUMABLE, *extra, "--steps", "4", "--output-dir", str(whole)], tmp_path)  # already past it
-        assert "nothing to do" in fewer.stdout + fewer.stderr and accuracies(fewer.stdout + fewer.stderr) == {}
+        if not extra:
+            again = dpo([*RESUMABLE, "--output-dir", str(whole)], tmp_path)
+            assert "nothing to do" in again.stdout + again.stderr
+            assert accuracies(again.stdout + again.stderr) == accuracies(first.stdout + first.stderr) != {}
+            fewer = dpo([*RESUMABLE, "--steps", "4", "--output-dir", str(whole)], tmp_path)  # already past it
+            assert "nothing to do" in fewer.stdout + fewer.stderr and accuracies(fewer.stdout + fewer.stderr) == {}
         crashed = dpo([*RESUMABLE, *extra, "--output-dir", str(killed)], tmp_path, env={"NANORL_TEST_CRASH":
                                                                                         "after_state:4"})
         assert crashed.returncode != 0
