@@ -9,7 +9,7 @@ configuration that does not fit fit.
     python scripts/plan.py --fit benchmarks/results/planner/measured_runs.json        # refit common/run/planner.py's FIT
 
 --model takes a local directory or a hub id whose config.json can be read (no weights are loaded); --shape one of
-scripts/random_model.py's shapes (Qwen2.5's, and the mixtures of experts qwen3-moe-tiny, olmoe-tiny, olmoe-1b-7b,
+scripts/random_model.py's shapes (Qwen2.5's, and the mixtures of experts qwen3-moe-tiny, olmoe-tiny, olmoe-1b-4b, olmoe-1b-7b,
 qwen3-30b-a3b) or smollm2 (SmolLM2-135M), for a machine without the hub.
 
     python scripts/plan.py --shape qwen3-30b-a3b --gpus 1 --gpu H200 --lora-rank 32 --activation-checkpointing
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("the model (one of)")
     what.add_argument("--model", help="a model directory or hub id: its config.json gives the sizes")
     what.add_argument("--shape", help="a shape of scripts/random_model.py: Qwen2.5's (0.5b, 1.5b, 7b, ...), a mixture "
-                      "of experts (qwen3-moe-tiny, olmoe-tiny, olmoe-1b-7b, qwen3-30b-a3b), or smollm2")
+                      "of experts (qwen3-moe-tiny, olmoe-tiny, olmoe-1b-4b, olmoe-1b-7b, qwen3-30b-a3b), or smollm2")
     machine = p.add_argument_group("the machine")
     machine.add_argument("--gpus", type=int, default=1, help="training GPUs (colocated: they also generate)")
     machine.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="the GPU kind: peak FLOP/s, memory "
