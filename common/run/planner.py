@@ -409,7 +409,7 @@ def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         line += f": {(total - free) / GB:.1f} of {total / GB:.1f} GB in use"
-    line += f" ({' '.join(str(error).split())[:120]})"
+    line += f" ({' '.join(str(error).split()).split(' Including non-PyTorch')[0][:200]})"  # PyTorch's first sentences
     if _plan is not None:
         shape, setup = _plan
         mem = memory(shape, setup)
