@@ -256,13 +256,14 @@ def validate(cases: list[tuple], fit: dict, show: bool = True) -> dict:
 # What each coefficient may be (physically plausible ranges), and which comparison fits it.
 BOUNDS = {"act_h": (10, 40), "act_i": (4, 16), "compile_act_share": (0.5, 1), "ckpt_h": (2, 8), "logit_copies": (1, 8),
           "overhead_gb": (0.5, 5), "vllm_overhead_gb": (0.5, 6), "mfu_at_1b": (0.1, 0.5), "mfu_per_decade": (0, 0.25),
-          "compile_gain": (1, 1.6), "fp32_share": (0.1, 1), "layer_pass_s": (0.0005, 0.02), "compile_pass_share": (0.3, 1),
+          "compile_gain": (1, 1.6), "fp32_share": (0.1, 1), "moe_share": (0.2, 1), "layer_pass_s": (0.0005, 0.02), "compile_pass_share": (0.3, 1),
           "longest_over_mean": (1.5, 8), "decode_bw_share": (0.2, 0.9), "decode_layer_s": (1e-5, 5e-4),
           "decode_layer_eager_s": (2e-4, 3e-3), "decode_tp_layer_s": (1e-5, 2e-3), "decode_token_s": (1e-6, 1e-4),
           "prefill_mfu": (0.05, 0.6),
           "sync_gb_s": (10, 600), "sync_s": (0.01, 1)}
 FITS = {"memory": ["act_h", "act_i", "compile_act_share", "ckpt_h", "logit_copies", "overhead_gb", "vllm_overhead_gb"],
-        "update": ["mfu_at_1b", "mfu_per_decade", "compile_gain", "fp32_share", "layer_pass_s", "compile_pass_share"],
+        "update": ["mfu_at_1b", "mfu_per_decade", "compile_gain", "fp32_share", "moe_share", "layer_pass_s",
+                   "compile_pass_share"],
         "rollout": ["longest_over_mean", "decode_bw_share", "decode_layer_s", "decode_layer_eager_s",
                     "decode_tp_layer_s", "decode_token_s", "prefill_mfu"],
         "sync": ["sync_s", "sync_gb_s"]}

@@ -17,7 +17,7 @@ from common.run.planner import HEADROOM, Setup, Shape, fixes, fits, memory, setu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMPLE = {"act_h": 10.0, "act_i": 4.0, "compile_act_share": 0.5, "ckpt_h": 2.0, "logit_copies": 2.0,
           "overhead_gb": 1.0, "vllm_overhead_gb": 2.0, "mfu_at_1b": 0.5, "mfu_per_decade": 0.0, "compile_gain": 1.0,
-          "fp32_share": 0.5, "layer_pass_s": 0.01, "compile_pass_share": 1.0, "longest_over_mean": 2.0,
+          "fp32_share": 0.5, "moe_share": 0.5, "layer_pass_s": 0.01, "compile_pass_share": 1.0, "longest_over_mean": 2.0,
           "decode_bw_share": 0.5, "decode_layer_s": 0.001, "decode_layer_eager_s": 0.002, "decode_token_s": 1e-5,
           "decode_tp_layer_s": 0.0005, "prefill_mfu": 0.5, "sync_gb_s": 100.0, "sync_s": 0.1}
 
@@ -132,9 +132,11 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_with_its_top_k():
     assert mem["training"]["weights"] == pytest.approx(4 * p / 1e9)
     assert mem["training"]["activations"] == pytest.approx(8 * 400 * 2 * (10 * 64 + 4 * 2 * 32 + 2 * 2 * 64 * 2
                                                                           + 2 * 8 * 4) / 1e9)
-    # Time: 6 FLOPs an active parameter and token; decoding reads every expert.
+    # Time: 6 FLOPs an active parameter and token, at moe_share (0.5) of a dense model's MFU (0.5); decoding reads
+    # every expert.
     attention_flops = 8 * 6 * 2 * 4 * 16 * 400**2
-    assert times["update"] == pytest.approx((6 * active * 8 * 400 + attention_flops) / (989e12 * 0.5) + 2 * 0.01)
+    assert times["update"] == pytest.approx((6 * active * 8 * 400 + attention_flops) / (989e12 * 0.5 * 0.5)
+                                            + 2 * 0.01)
     kv_read = 8 * (100 * 300 + 300**2 / 2) * 2 * 2 * 2 * 16 * 2
     prefill = 8 * 100 * 2 * active / (989e12 * 0.5)
     reads = (400 * 2 * p + kv_read) / (3.35e12 * 0.5)
@@ -143,7 +145,7 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_with_its_top_k():
     from scripts.plan import shape_named
     big = shape_named("qwen3-30b-a3b")
     assert (round(big.params / 1e8), round(big.active_params / 1e7)) == (305, 335)
-    assert mfu(big, setup, {**SIMPLE, "mfu_per_decade": 0.1}) == pytest.approx(0.5 + 0.1 * math.log10(3.353))
+    assert mfu(big, setup, {**SIMPLE, "mfu_per_decade": 0.1}) == pytest.approx((0.5 + 0.1 * math.log10(3.353)) * 0.5)
 
 
 def test_a_configuration_that_does_not_fit_gets_the_flags_that_would():

@@ -61,6 +61,7 @@ FIT = {
     "mfu_per_decade": 0.117,  # its change per factor 10 in parameters
     "compile_gain": 1.39,  # MFU with torch.compile'd layers over eager
     "fp32_share": 0.11,  # MFU in fp32 arithmetic over bf16
+    "moe_share": 0.551,  # a mixture of experts' MFU (on its active parameters) over a dense model's of that size
     "layer_pass_s": 0.00569,  # fixed cost of one layer's forward and backward over one micro-batch (launches), eager
     "compile_pass_share": 1.0,  # what compiled layers keep of that
     "longest_over_mean": 4.03,  # a trained model's longest response of a step over the mean (decoding waits for it)
@@ -208,9 +209,11 @@ def _tokens_per_gpu(setup: Setup) -> float:
 def mfu(shape: Shape, setup: Setup, fit: dict = FIT) -> float:
     """The training MFU the fit expects of a model this size (bf16 over packed micro-batches; compiled layers gain a
     fitted factor; fp32 arithmetic runs at a fitted fraction of bf16's). The size is the active parameters: a token's
-    matmuls are those of its experts, not of all (the fit has seen dense models only)."""
+    matmuls are those of its experts, not of all; transformers' expert layers run them at a fitted fraction of a
+    dense model's rate)."""
     value = fit["mfu_at_1b"] + fit["mfu_per_decade"] * math.log10(shape.active_params / 1e9)
     value *= (fit["compile_gain"] if setup.compile else 1.0) * (fit["fp32_share"] if setup.precision == "fp32" else 1.0)
+    value *= fit["moe_share"] if shape.experts else 1.0
     return min(0.6, max(0.01, value))
 
 
