@@ -283,6 +283,7 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.faults  # a signal to the whole launch: the fault-tolerance step (pytest.ini)
 def test_ctrl_c_saves_and_one_run_per_directory(tmp_path):
     """Ctrl-C (SIGINT to torchrun, which passes it on) finishes the step, saves and exits; the same command then
     continues the same W&B run. While the first run lives, a second one in its directory is refused at once."""
@@ -332,6 +333,7 @@ def test_a_stuck_reward_times_out(tmp_path):
     assert [row["reward/timeouts"] for row in rows if "reward/timeouts" in row] == [4.0, 0.0]  # the group of 4
 
 
+@pytest.mark.faults  # a signal to the whole launch: the fault-tolerance step (pytest.ini)
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_a_stuck_reward_never_hangs_the_run(tmp_path, how):
     """Without a time limit, a reward stuck for good: after SIGTERM to torchrun the calls still unscored 5 s later

@@ -328,6 +328,7 @@ def fake_slurm(tmp_path):
     return launch, tmp_path
 
 
+@pytest.mark.faults  # a signal to the whole launch: the fault-tolerance step (pytest.ini)
 def test_slurm_launcher_time_limit_saves_requeues_and_resumes(fake_slurm):
     launch, tmp_path = fake_slurm
     job = launch(str(tmp_path / "out"), "100000")
