@@ -22,10 +22,14 @@ EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 LAYOUT_KEEPING_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
-def is_moe(config) -> bool:
-    """Whether a transformers config (or a multimodal one's text part) has routed experts."""
+def expert_count(config) -> int:
+    """The routed experts of each MoE layer of a transformers config (or a multimodal one's text part); 0: dense."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return any(isinstance(getattr(config, field, None), int) and getattr(config, field) > 0 for field in EXPERT_COUNTS)
+    return next((n for n in (getattr(config, f, None) for f in EXPERT_COUNTS) if isinstance(n, int) and n > 0), 0)
+
+
+def is_moe(config) -> bool:
+    return expert_count(config) > 0
 
 
 def check_moe_mapped(config, model: str | None) -> None:

@@ -12,11 +12,14 @@ experts)^sequences, over 99.9% at 8 of 128 and 110 sequences), so its time is th
 once few sequences are left. LoRA adapts the linear layers the decoder has: attention's projections and Qwen2-MoE's
 shared expert (transformers holds the routed experts as 3-D parameters, not nn.Linear). Not modelled: layers left
 dense (decoder_sparse_step > 1, mlp_only_layers), q/k norms and attention biases (as for dense Qwen2), the
-per-expert kernel launches of transformers' expert loop, and experts' uneven loads. No mixture-of-experts run has
-been measured against these yet: the activation and MFU coefficients are the dense fit's.
+per-expert kernel launches of transformers' expert loop, and experts' uneven loads. One mixture-of-experts run has
+been measured against these (a 3.7B OLMoE shape): the activation coefficients are the dense fit's, and the MFU is a
+dense model's times a fitted moe_share (common/run/planner.py).
 """
 
 from dataclasses import dataclass
+
+from sharding.vllm_moe import expert_count
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Shape:
     @classmethod
     def from_config(cls, config) -> "Shape":
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        experts = expert_count(config)
         # Qwen-MoE's intermediate_size is a dense MLP's (unused when every layer is sparse), its experts' their own
         expert_size = getattr(config, "moe_intermediate_size", None) if experts else None
         heads = config.num_attention_heads

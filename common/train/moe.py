@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sharding.vllm_moe import EXPERT_COUNTS, is_moe
+from sharding.vllm_moe import expert_count, is_moe
 
 # The routers this code knows, by model type: each computes softmax(logits), takes the top k, and (per the config's
 # norm_topk_prob; Mixtral always) renormalises their probabilities into the gate values.
@@ -52,8 +52,7 @@ def active_share(config) -> float:
     FLOPs per token, and so in MFU. 1 for a model without experts."""
     if config is None or not is_moe(config):
         return 1.0
-    config = config.get_text_config()
-    return config.num_experts_per_tok / next(getattr(config, f) for f in EXPERT_COUNTS if getattr(config, f, None))
+    return config.get_text_config().num_experts_per_tok / expert_count(config)
 
 
 def check_routing_replay(args, config) -> None:
