@@ -28,7 +28,8 @@
 #                                                        # planner's start-up choice, tokens/s, MFU, memory, stages;
 #                                                        # then --no-activation-checkpointing with 64k-token micro-
 #                                                        # batches: the one-line out-of-memory report (RUNS="run"
-#                                                        # or "oom": one of them; EXTRA: e.g. --sequence-parallel 2)
+#                                                        # or "oom": one of them; EXTRA: e.g. --sequence-parallel 2;
+#                                                        # LIMIT: seconds for the run, TAG: a suffix for its name)
 #   bash scripts/gpu_checks.sh train-long OUTDIR [GPUS] [SP]  # bench_train.py at the 7B shape on single sequences
 #                                                        # of 8k-64k tokens (LENGTHS), with and without activation
 #                                                        # checkpointing (CHECKPOINTING="off on"), full fine-tuning
@@ -260,7 +261,7 @@ if [ "$mode" = long ]; then
     --save-state-every 0 --resume none --overwrite"
   if [[ " ${RUNS:-run oom} " == *" run "* ]]; then
     name=grpo_long_${ls}_${n}gpu${TAG:+_$TAG}
-    run $name 560 $g torchrun --standalone --nproc_per_node "$n" $LONG --steps ${STEPS:-5} --output-dir /tmp/$name $EXTRA
+    run $name ${LIMIT:-560} $g torchrun --standalone --nproc_per_node "$n" $LONG --steps ${STEPS:-5} --output-dir /tmp/$name $EXTRA
     grep -E "^planner|activation" "$out/$name.log" | cut -c1-300
     summary $name /tmp/$name
   fi
