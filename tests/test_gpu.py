@@ -361,9 +361,13 @@ def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = ()) -> list
              "--max-response-len", "16", "--eval-every", "2", "--eval-size", "16", "--logprob-diff-every", "1",
              "--reward-fn", "hash_reward.py:reward", "--skip-reward-check", "--output-dir", str(tmp_path / "run"),
              *more]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(nproc), os.path.join(root, "grpo.py"), *flags], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 str(nproc), os.path.join(root, "grpo.py"), *flags], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=420, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as e:  # say where it stood (a caller's own time limit would show nothing)
+        pytest.fail(f"grpo.py ran past 420 s; its output ends: {(e.stdout or b'')[-3000:].decode(errors='replace')}"
+                    f"{(e.stderr or b'')[-3000:].decode(errors='replace')}")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
@@ -395,6 +399,69 @@ def test_moe_runs_with_every_sync_checked_and_exports_to_vllm(tmp_path, shape):
     print(shape, "export: mean |vLLM - from_pretrained|", (vllm_lp - hf_lp).abs().mean().item(), "std", hf_lp.std())
     assert hf_lp.std() > 0.5  # far from uniform: the log-probs depend on the weights
     assert (vllm_lp - hf_lp).abs().mean() < 0.1
+
+
+RANK0_LOAD = """
+import os, sys
+from types import SimpleNamespace
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from common.train.lora import add_lora
+from common.train.model import load_model, shard_model
+
+rank, cuda = int(os.environ["RANK"]), torch.cuda.is_available()  # (on CPU: gloo, everything in fp32)
+device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+for path in sys.argv[1:]:
+    for rank_of_lora in (0, 4):
+        lora = SimpleNamespace(lora_rank=rank_of_lora, lora_alpha=8, lora_targets=None)
+        model = load_model(path, None, 0)
+        meta = all(p.is_meta for p in model.parameters())
+        sharded = shard_model(add_lora(model, lora, 3), device, precision="bf16")
+        full = {n: p.full_tensor().cpu() for n, p in sharded.named_parameters()}
+        buffers = {n: b.cpu() for n, b in sharded.named_buffers()}
+        whole = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora, 3)
+        for n, p in whole.named_parameters():  # a frozen base is kept in the compute dtype (bf16) on a GPU
+            assert torch.equal(full[n], p.detach() if p.requires_grad or not cuda else p.detach().bfloat16()), (path, n)
+        for n, b in whole.named_buffers():
+            assert torch.equal(buffers[n], b), (path, n)
+        print(f"LOADED {os.path.basename(path)} lora {rank_of_lora} rank {rank} meta {meta} params {len(full)}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_checkpoint_read_by_rank_0_reaches_every_gpu(tmp_path):
+    """Over NCCL on 2 GPUs, a dense and a MoE checkpoint, with and without LoRA (whose frozen base is cast to bf16
+    before sharding): rank 1 builds the model on the meta device, and after shard_model every rank's weights and
+    buffers equal one process's whole load (common/train/model.from_pretrained, receive_weights)."""
+    import subprocess
+    import sys
+
+    from scripts.random_model import full_vocab_tokenizer, model_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = []
+    for shape in ("tiny", "qwen3-moe-tiny"):
+        config = model_config(shape)
+        config.vocab_size = 1000
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / shape)
+        full_vocab_tokenizer(1000).save_pretrained(tmp_path / shape)
+        paths.append(str(tmp_path / shape))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "--no-python", sys.executable, "-c", RANK0_LOAD, *paths], cwd=root,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    print(result.stdout[-2000:])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    for shape in ("tiny", "qwen3-moe-tiny"):
+        for lora in (0, 4):
+            for rank in (0, 1):
+                assert f"LOADED {shape} lora {lora} rank {rank} meta {rank == 1}" in result.stdout, (shape, lora, rank)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -624,7 +624,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
         dtype, load, loaded = engine.dtype, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
     else:
-        model = load_model(args.model, tokenizer, args.seed).to(device)  # overwritten by the first version received
+        # The HF engine's own model (not sharded: every rollout rank reads it), overwritten by the first version received
+        model = load_model(args.model, tokenizer, args.seed, every_rank=True).to(device)
         install_router_hooks(model, decoder_layers(model))  # MoE: --routing-replay records the routes (else a no-op)
         engine = make_rollout_engine("hf", model, model_dir, tokenizer, stop_ids, placement.rank, args.rollout_tp,
                                      0.0, 0, args.seed, False, 0, record_routes=getattr(args, "routing_replay", False))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from common.train.logprobs import use_packed_attention
@@ -64,13 +65,49 @@ def stop_token_ids(model: str | None, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def load_model(model: str | None, tokenizer, seed: int) -> torch.nn.Module:
-    """Full fp32 model on CPU, identical on every rank (same checkpoint, or the same seed for the tiny model)."""
+def load_model(model: str | None, tokenizer, seed: int, every_rank: bool = False) -> torch.nn.Module:
+    """The fp32 model for shard_model: a checkpoint read by rank 0 alone (see from_pretrained), or the built-in tiny
+    model built from the seed on every rank. every_rank: the whole model on every rank (one that is not sharded)."""
     if model is None:
         from common.data.synthetic import tiny_model_config
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(tiny_model_config(tokenizer), dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    return from_pretrained(AutoModelForCausalLM, model, every_rank)
+
+
+def from_pretrained(model_class, path: str, every_rank: bool = False, **config_overrides) -> torch.nn.Module:
+    """model_class.from_pretrained(path) in fp32 on CPU, on rank 0 only: the other ranks build the same model on the
+    meta device (no memory) and shard_model streams rank 0's weights into their shards. Were every rank to read the
+    whole checkpoint, the host would hold one fp32 copy per rank: 2 ranks of a 30B model asked 244 GB of a 256 GiB
+    host, and one was killed while loading. every_rank: read on every rank."""
+    if every_rank or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_rank() == 0:
+        net = model_class.from_pretrained(path, dtype=torch.float32, **config_overrides)
+    else:
+        with torch.device("meta"):
+            net = model_class.from_config(AutoConfig.from_pretrained(path, **config_overrides), dtype=torch.float32)
+        if net.can_generate():
+            try:  # as from_pretrained reads it: sampling defaults that generate() applies
+                net.generation_config = GenerationConfig.from_pretrained(path)
+            except OSError:  # the checkpoint has none: the defaults from_config set
+                pass
+    net.weights_from_rank0 = not every_rank and dist.is_initialized() and dist.get_world_size() > 1
+    return net
+
+
+@torch.no_grad()
+def receive_weights(model: torch.nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Collective over the training ranks, after fully_shard: every parameter's shards from rank 0's full tensors
+    (`full`, its model's parameters before sharding; None elsewhere, where the model is on the meta device), one
+    parameter at a time (distribute_tensor sends each rank its shard); then the buffers, which include the ones no
+    checkpoint holds (rotary frequencies)."""
+    if full is None:
+        model.to_empty(device=device)  # uninitialised memory for this rank's shards and the buffers
+    for name, param in model.named_parameters():
+        source = full[name].to(device, param.dtype) if full is not None else \
+            torch.empty(param.shape, dtype=param.dtype, device=device)
+        param.to_local().copy_(distribute_tensor(source, param.device_mesh, param.placements).to_local())
+    for buffer in model.buffers():
+        dist.broadcast(buffer, 0)
 
 
 def checkpoint_dtype(model: str | None) -> torch.dtype:
@@ -191,11 +228,16 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
             if not param.requires_grad:
                 param.data = param.data.to(compute_dtype(precision))
     install_router_hooks(model, decoder_layers(model), router_aux_loss_coef)  # None for a dense model
+    from_rank0 = getattr(model, "weights_from_rank0", False)  # from_pretrained: only rank 0 holds the weights
+    full = dict(model.named_parameters()) if from_rank0 and dist.get_rank() == 0 else None
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=_mesh, mp_policy=policy)
     if compile_layers:
         compile_model(model)
     fully_shard(model, mesh=_mesh, mp_policy=policy)  # also moves the shards and buffers onto `device`
+    if from_rank0:
+        receive_weights(model, full, device)
+        del full
     if trainable and sequence_parallel_size() > 1:
         # Each rank of a sequence-parallel group computes a share of the same samples' gradient (its tokens), and
         # every sum over ranks counts those samples once per rank: dividing the summed gradients by the number of

@@ -17,11 +17,12 @@ from common.train.sequence_parallel import gather_scored, local_part, sequence_p
 
 
 def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int) -> torch.nn.Module:
-    """The critic in fp32 on CPU, identical on every rank (see the module docstring for where its weights come
-    from). Raises a one-line error for a critic checkpoint that cannot serve this policy."""
+    """The critic in fp32 on CPU for shard_model (see the module docstring for where its weights come from; a
+    checkpoint is read by rank 0 alone, common/train/model.from_pretrained). Raises a one-line error for a critic
+    checkpoint that cannot serve this policy."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from common.train.model import check_model_source, load_model
+    from common.train.model import check_model_source, from_pretrained, load_model
     if critic_model is not None:
         check_model_source(critic_model, "--critic-model")
         config, policy_config = AutoConfig.from_pretrained(critic_model), _policy_config(model, tokenizer)
@@ -38,7 +39,7 @@ def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: in
         critic.base_model.load_state_dict(policy.base_model.state_dict())
     else:
         try:
-            critic = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, dtype=torch.float32)
+            critic = from_pretrained(AutoModelForTokenClassification, source, num_labels=1)
         except ValueError as e:  # an architecture without a token-classification class
             raise ValueError(f"cannot build a critic from {source}: {' '.join(str(e).split())[:200]}") from e
     # A new head starts at zero: every value 0, so the first advantages are the rewards themselves, not the noise of
@@ -69,7 +70,7 @@ def load_reward_model(path: str):
     sequence classifier."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from common.train.model import check_model_source
+    from common.train.model import check_model_source, from_pretrained
     check_model_source(path, "--reward-model")
     config = AutoConfig.from_pretrained(path)
     architectures = getattr(config, "architectures", None) or []
@@ -78,7 +79,7 @@ def load_reward_model(path: str):
                          f"{architectures}); a reward model scores a whole response with one number")
     if config.num_labels != 1:
         raise ValueError(f"--reward-model {path}: it has {config.num_labels} labels, a reward model has one")
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    model = from_pretrained(AutoModelForSequenceClassification, path)
     return model, AutoTokenizer.from_pretrained(path)
 
 
