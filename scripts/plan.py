@@ -161,6 +161,7 @@ def run_setup(run: dict) -> tuple[Shape, Setup] | None:
         lora_rank=c.get("lora_rank") or 0, offload=bool(c.get("offload")),
         activation_checkpointing=bool(c.get("activation_checkpointing")),
         compile=bool(c.get("compile")) or c.get("mode") in ("compiled", "compiled_layers"), shard_size=c.get("shard_size"),
+        sequence_parallel=c.get("sequence_parallel") or 1,
         rollout=rollout, rollout_tp=c.get("rollout_tp") or 1, rollout_eager=bool(c.get("rollout_eager")),
         response_lengths="geometric" if m.get("description", "").startswith("random-weight") else "natural",
         sleep_level=c.get("sleep_level"), kv_cache_gb=None if kv is None else kv * 2**30 / 1e9,
