@@ -77,6 +77,8 @@ def test_bad_flags_are_one_line_once(tmp_path):
     result = real_torchrun(["--lrr", "1e-3"], tmp_path)
     assert_one_line_error(result, "Unrecognized options: --lrr, 1e-3 (did you mean --lr?)")
     assert_one_line_error(torchrun(["--lr", "-1e-3", "--output-dir", "x"], tmp_path), "--lr must be greater than 0")
+    assert_one_line_error(torchrun(["--rollout-ranks", "1", "--check-weight-sync", "--output-dir", "x"], tmp_path),
+                          "--check-weight-sync compares a colocated engine's weights with the trainer's")
 
 
 def test_a_missing_model_directory_is_a_clear_error(tmp_path):

@@ -98,7 +98,8 @@ class RolloutArgs:
     sync_bucket_mb: int = 512
     """size of the buckets the trainer's weights are streamed to vLLM in"""
     check_weight_sync: bool = False
-    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated)"""
+    """after each weight sync, compare vLLM's weights with the trainer's and fail on a mismatch (colocated only: not
+    with --rollout-ranks)"""
     rollout_ranks: int = 0
     """split placement: the last K ranks only generate (K / --rollout-tp replicas) and the others only train; the
     trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
@@ -167,6 +168,9 @@ def check_rollout_args(args, num_trainers: int) -> None:
                          f"{args.rollout_ranks}")
     if args.async_rollout and not args.rollout_ranks:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
+    if args.check_weight_sync and args.rollout_ranks:
+        raise ValueError("--check-weight-sync compares a colocated engine's weights with the trainer's on the same "
+                         "rank; with --rollout-ranks no rank holds both (check a colocated run of the same model)")
     if args.rollout_engine == "vllm" and args.model is not None:  # a MoE family vLLM's experts cannot take
         check_moe_mapped(model_config(args.model), args.model)
     if args.reward_fn is not None:  # (resolve_defaults sets it) a bad reward spec fails now, before any model loads
