@@ -199,20 +199,21 @@ def test_a_shard_size_that_does_not_divide_is_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # A checkpoint is read by rank 0 alone (common/train/model.from_pretrained) and streamed into every rank's shards.
 
-def load_on_ranks(rank: int, world: int, port: int, path: str, out: str):
+def load_on_ranks(rank: int, world: int, shard_size, port: int, path: str, out: str):
     """The policy (LoRA adapters on it, a MoE's router hooks), the critic and a reward model of `path`, each as
-    grpo.py / ppo.py build them, sharded over `world` ranks: what each rank held before sharding (meta or not), and
-    every parameter's full tensor and every buffer after it."""
+    grpo.py / ppo.py build them, sharded over `world` ranks (hybrid: within groups of shard_size): what each rank held
+    before sharding (meta or not), and every parameter's full tensor and every buffer after it."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForSequenceClassification
 
     from common.train.lora import add_lora
-    from common.train.model import from_pretrained, load_model, shard_model
+    from common.train.model import from_pretrained, init_sharding, load_model, shard_model
     from common.train.value_models import load_critic
 
     init_gloo(rank, world, port)
     cpu, result = torch.device("cpu"), {}
+    init_sharding(shard_size, cpu)
     lora = SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets=None)
     for name, build in [("policy", lambda: add_lora(load_model(path, None, 0), lora, 3)),
                         ("critic", lambda: load_critic(path, None, None, 0)),
@@ -228,13 +229,14 @@ def load_on_ranks(rank: int, world: int, port: int, path: str, out: str):
     finish_gloo()
 
 
-@pytest.mark.parametrize("shape", ["tiny", "qwen3-moe-tiny"])
-def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_path, shape):
-    """On 2 ranks, only rank 0 materialises the checkpoint (the other builds the model on the meta device: no host
-    memory for a copy per rank), and after sharding every rank's weights and buffers (rotary frequencies, which no
-    checkpoint holds, among them) are exactly those of one process loading it whole, LoRA adapters included (A drawn
-    from the seed); also the critic's, its new value head zeroed, and a reward model's head, whose random
-    initialisation on rank 0 is everyone's; the generation config is the checkpoint's on both ranks."""
+@pytest.mark.parametrize("shape,world,shard_size", [("tiny", 2, None), ("qwen3-moe-tiny", 2, None), ("tiny", 4, 2)])
+def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_path, shape, world, shard_size):
+    """Only rank 0 materialises the checkpoint (the others build the model on the meta device: no host memory for a
+    copy per rank), and after sharding every rank's weights and buffers (rotary frequencies, which no checkpoint
+    holds, among them) are exactly those of one process loading it whole, LoRA adapters included (A drawn from the
+    seed); also the critic's, its new value head zeroed, and a reward model's head, whose random initialisation on
+    rank 0 is everyone's; the generation config is the checkpoint's on every rank. On 2 ranks, and on 4 with hybrid
+    sharding (sharded within pairs, replicated across them)."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -248,15 +250,16 @@ def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_pat
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
     GenerationConfig(do_sample=True, temperature=0.7).save_pretrained(tmp_path / "model")
     full_vocab_tokenizer(512).save_pretrained(tmp_path / "model")
-    launcher.spawn(load_on_ranks, args=(2, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    launcher.spawn(load_on_ranks, args=(world, shard_size, free_port(), str(tmp_path / "model"), str(tmp_path)),
+                   nprocs=world)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
     whole = add_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32),
                      SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets=None), 3)
     expected = dict(whole.named_parameters())
     assert any("lora_A" in n for n in expected) and dict(whole.named_buffers())
     for rank, result in enumerate(ranks):
-        assert [result[name]["meta"] for name in ("policy", "critic", "reward")] == [{rank == 1}] * 3
+        assert [result[name]["meta"] for name in ("policy", "critic", "reward")] == [{rank > 0}] * 3
         policy = result["policy"]
         assert policy["params"].keys() == expected.keys() and policy["generation"] == 0.7
         for n, p in expected.items():
