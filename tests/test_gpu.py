@@ -420,7 +420,15 @@ for path in sys.argv[1:]:
         lora = SimpleNamespace(lora_rank=rank_of_lora, lora_alpha=8, lora_targets=None)
         model = load_model(path, None, 0)
         meta = all(p.is_meta for p in model.parameters())
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         sharded = shard_model(add_lora(model, lora, 3), device, precision="bf16")
+        if cuda and rank_of_lora == 0 and path.endswith("wide"):  # rank 0's GPU holds its shards and one parameter in flight, not the model
+            peak = torch.cuda.max_memory_allocated()
+            print(f"PEAK {os.path.basename(path)} rank {rank} {peak / size:.2f} of the fp32 model")
+            assert peak < 0.75 * size, (peak, size)
         full = {n: p.full_tensor().cpu() for n, p in sharded.named_parameters()}
         buffers = {n: b.cpu() for n, b in sharded.named_buffers()}
         whole = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora, 3)
@@ -437,7 +445,8 @@ dist.destroy_process_group()
 def test_a_checkpoint_read_by_rank_0_reaches_every_gpu(tmp_path):
     """Over NCCL on 2 GPUs, a dense and a MoE checkpoint, with and without LoRA (whose frozen base is cast to bf16
     before sharding): rank 1 builds the model on the meta device, and after shard_model every rank's weights and
-    buffers equal one process's whole load (common/train/model.from_pretrained, receive_weights)."""
+    buffers equal one process's whole load (common/train/model.from_pretrained, receive_weights). Rank 0's GPU never
+    holds the whole model on the way (its peak stays under 0.75 of the fp32 model: half of it is its shards)."""
     import subprocess
     import sys
 
@@ -445,8 +454,9 @@ def test_a_checkpoint_read_by_rank_0_reaches_every_gpu(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = []
-    for shape in ("tiny", "qwen3-moe-tiny"):
-        config = model_config(shape)
+    for shape in ("tiny", "qwen3-moe-tiny", "wide"):  # wide: 16 layers of 16M parameters, 1 GB in fp32
+        config = model_config(shape) if shape != "wide" else Qwen2Config(
+            hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=8)
         config.vocab_size = 1000
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / shape)
@@ -458,7 +468,7 @@ def test_a_checkpoint_read_by_rank_0_reaches_every_gpu(tmp_path):
                             env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
     print(result.stdout[-2000:])
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    for shape in ("tiny", "qwen3-moe-tiny"):
+    for shape in ("tiny", "qwen3-moe-tiny", "wide"):
         for lora in (0, 4):
             for rank in (0, 1):
                 assert f"LOADED {shape} lora {lora} rank {rank} meta {rank == 1}" in result.stdout, (shape, lora, rank)

@@ -272,3 +272,40 @@ def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_pat
                 assert torch.equal(result[name]["params"][n], p), (rank, name, n)
     body = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(ranks[1]["critic"]["params"][body], expected[body.replace(".weight", ".base_layer.weight")])
+
+
+def load_unlike_rank_0(rank: int, port: int, path: str, out: str):
+    from common.train.model import load_model, shard_model
+
+    init_gloo(rank, 2, port)
+    model = load_model(path, None, 0)
+    if rank == 1:  # as a quantized checkpoint would: rank 0's loaded layers unlike those its config builds
+        model.model.norm.register_parameter("scale", torch.nn.Parameter(torch.ones(4, device="meta")))
+    try:
+        shard_model(model, torch.device("cpu"))
+        stopped = "nothing"
+    except ValueError as e:
+        stopped = str(e)
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(stopped)
+    finish_gloo()
+
+
+def test_a_rank_that_built_another_model_than_rank_0_loaded_stops_every_rank(tmp_path):
+    """The weights stream parameter by parameter, by name: a rank whose model differs from the one rank 0 loaded
+    stops every rank with the same line, before any weight moves (not a collective left waiting, or a buffer sent
+    into another one)."""
+    from transformers import AutoModelForCausalLM
+
+    from scripts.random_model import full_vocab_tokenizer, model_config
+
+    config = model_config("tiny")
+    config.vocab_size = 512
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    full_vocab_tokenizer(512).save_pretrained(tmp_path / "model")
+    launcher.spawn(load_unlike_rank_0, args=(free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2)
+    stopped = [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
+    assert stopped[0] == stopped[1]
+    assert stopped[0] == ("rank 1 built the model from the checkpoint's config unlike the one rank 0 loaded (a "
+                          "quantized checkpoint?): only rank 0 has nothing else, only rank 1 ['model.norm.scale [4] "
+                          "float32']"), stopped[0]

@@ -80,31 +80,40 @@ def from_pretrained(model_class, path: str, every_rank: bool = False, **config_o
     meta device (no memory) and shard_model streams rank 0's weights into their shards. Were every rank to read the
     whole checkpoint, the host would hold one fp32 copy per rank: 2 ranks of a 30B model asked 244 GB of a 256 GiB
     host, and one was killed while loading. every_rank: read on every rank."""
-    if every_rank or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_rank() == 0:
+    shared = not every_rank and dist.is_initialized() and dist.get_world_size() > 1
+    if not shared or dist.get_rank() == 0:
         net = model_class.from_pretrained(path, dtype=torch.float32, **config_overrides)
     else:
         with torch.device("meta"):
             net = model_class.from_config(AutoConfig.from_pretrained(path, **config_overrides), dtype=torch.float32)
-        if net.can_generate():
-            try:  # as from_pretrained reads it: sampling defaults that generate() applies
-                net.generation_config = GenerationConfig.from_pretrained(path)
-            except OSError:  # the checkpoint has none: the defaults from_config set
-                pass
-    net.weights_from_rank0 = not every_rank and dist.is_initialized() and dist.get_world_size() > 1
+    if shared and net.can_generate():  # rank 0's sampling defaults, which generate() applies
+        config = [net.generation_config.to_dict()]
+        dist.broadcast_object_list(config, 0)
+        net.generation_config = GenerationConfig.from_dict(config[0])
+    net.weights_from_rank0 = shared
     return net
 
 
 @torch.no_grad()
 def receive_weights(model: torch.nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
     """Collective over the training ranks, after fully_shard: every parameter's shards from rank 0's full tensors
-    (`full`, its model's parameters before sharding; None elsewhere, where the model is on the meta device), one
-    parameter at a time (distribute_tensor sends each rank its shard); then the buffers, which include the ones no
-    checkpoint holds (rotary frequencies)."""
+    (`full`, its model's parameters before sharding, on CPU; None elsewhere, where the model is on the meta device),
+    one parameter at a time (distribute_tensor sends each rank its shard); then the buffers, which include the ones no
+    checkpoint holds (rotary frequencies). First every rank checks that it built what rank 0 loaded."""
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    layouts = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, layout)
+    if differing := next((i for i, other in enumerate(layouts) if other != layouts[0]), None):
+        only = [[f"{n} {list(shape)} {str(dtype).removeprefix('torch.')}" for n, shape, dtype in a if (n, shape, dtype)
+                 not in b][:3] for a, b in [(layouts[0], layouts[differing]), (layouts[differing], layouts[0])]]
+        raise ValueError(f"rank {differing} built the model from the checkpoint's config unlike the one rank 0 loaded "
+                         f"(a quantized checkpoint?): only rank 0 has {only[0] or 'nothing else'}, only rank "
+                         f"{differing} {only[1] or 'nothing else'}")
     if full is None:
         model.to_empty(device=device)  # uninitialised memory for this rank's shards and the buffers
     for name, param in model.named_parameters():
-        source = full[name].to(device, param.dtype) if full is not None else \
-            torch.empty(param.shape, dtype=param.dtype, device=device)
+        source = full.pop(name).to(device, param.dtype) if full is not None else \
+            torch.empty(param.shape, dtype=param.dtype, device=device)  # (rank 0's host copy freed as it goes)
         param.to_local().copy_(distribute_tensor(source, param.device_mesh, param.placements).to_local())
     for buffer in model.buffers():
         dist.broadcast(buffer, 0)
@@ -229,7 +238,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
                 param.data = param.data.to(compute_dtype(precision))
     install_router_hooks(model, decoder_layers(model), router_aux_loss_coef)  # None for a dense model
     from_rank0 = getattr(model, "weights_from_rank0", False)  # from_pretrained: only rank 0 holds the weights
-    full = dict(model.named_parameters()) if from_rank0 and dist.get_rank() == 0 else None
+    # Detached: fully_shard moves each Parameter's data to the GPU in place, and `full` must keep the CPU copy,
+    # not hold the whole model on GPU 0 until every shard is sent.
+    full = {n: p.detach() for n, p in model.named_parameters()} if from_rank0 and dist.get_rank() == 0 else None
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=_mesh, mp_policy=policy)
     if compile_layers:
