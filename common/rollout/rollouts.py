@@ -24,7 +24,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.data.prompts import PromptSampler, load_train_eval, tokenize_prompts
 from common.rollout.engines import NonFiniteLogits, make_rollout_engine, resolve_engine_kind
@@ -42,8 +41,8 @@ from common.run.logger import StageTimer
 from common.run.perf import memory_in_use
 from common.run.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested
 from common.train.logprobs import model_token_mask, use_packed_attention
-from common.train.model import (compute_dtype, decoder_layers, load_model, model_config, pick_precision,
-                                save_model_config, stop_token_ids)
+from common.train.model import (compute_dtype, decoder_layers, load_model, meta_model, model_config,
+                                pick_precision, save_model_config, stop_token_ids)
 from common.train.moe import install_router_hooks
 from sharding.vllm_moe import check_moe_mapped
 from sharding.vllm_sync import trainer_weights, weight_shapes
@@ -624,8 +623,7 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
                                      args.rollout_eager, args.sync_bucket_mb, dtype=compute_dtype(args.precision),
                                      max_sequences=sequences_at_once(args, placement.world, len(eval_rows)),
                                      record_routes=getattr(args, "routing_replay", False))
-        with torch.device("meta"):  # names and shapes only
-            shapes = weight_shapes(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
+        shapes = weight_shapes(meta_model(model_dir))
         dtype, load, loaded = engine.dtype, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
     else:
         # The HF engine's own model (not sharded: every rollout rank reads it), overwritten by the first version received

@@ -84,14 +84,19 @@ def from_pretrained(model_class, path: str, every_rank: bool = False, **config_o
     if not shared or dist.get_rank() == 0:
         net = model_class.from_pretrained(path, dtype=torch.float32, **config_overrides)
     else:
-        with torch.device("meta"):
-            net = model_class.from_config(AutoConfig.from_pretrained(path, **config_overrides), dtype=torch.float32)
+        net = meta_model(path, model_class, **config_overrides)
     if shared and net.can_generate():  # rank 0's sampling defaults, which generate() applies
         config = [net.generation_config.to_dict()]
         dist.broadcast_object_list(config, 0)
         net.generation_config = GenerationConfig.from_dict(config[0])
     net.weights_from_rank0 = shared
     return net
+
+
+def meta_model(path: str, model_class=AutoModelForCausalLM, **config_overrides) -> torch.nn.Module:
+    """The model of a checkpoint's config on the meta device: its names, shapes and parameter count, no memory."""
+    with torch.device("meta"):
+        return model_class.from_config(AutoConfig.from_pretrained(path, **config_overrides), dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -175,9 +180,7 @@ def pick_precision(precision: str, model: str | None) -> str:
     if model is None:
         return "fp32"
     check_model_source(model)  # the first to read the model: a bad path is one line naming it
-    with torch.device("meta"):  # no memory: only the parameter count
-        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-    return "fp32" if sum(p.numel() for p in net.parameters()) < 0.3e9 else "bf16"
+    return "fp32" if sum(p.numel() for p in meta_model(model).parameters()) < 0.3e9 else "bf16"
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -248,7 +251,6 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     fully_shard(model, mesh=_mesh, mp_policy=policy)  # also moves the shards and buffers onto `device`
     if from_rank0:
         receive_weights(model, full, device)
-        del full
     if trainable and sequence_parallel_size() > 1:
         # Each rank of a sequence-parallel group computes a share of the same samples' gradient (its tokens), and
         # every sum over ranks counts those samples once per rank: dividing the summed gradients by the number of
