@@ -4,6 +4,7 @@ exactly, and a real HH-RLHF-format file trains through the implicit-prompt path.
 import math
 import re
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -72,6 +73,7 @@ RESUMABLE = ["--steps", "8", "--pairs-per-step", "16", "--eval-size", "32", "--e
              "--save-state-every", "2", "--keep-checkpoints", "0"]
 
 
+@pytest.mark.faults  # kills and restarts a whole run: the fault-tolerance step (pytest.ini)
 def test_killed_run_resumes_exactly(tmp_path):
     """Killed after step 3's state: resumed from it, equal to an uninterrupted run metric for metric and weight
     for weight; online too, with the reference refreshed every 2 steps (saved with the state). The finished run,

@@ -229,6 +229,7 @@ def wandb_steps(run_dir) -> list[list[int]]:
     return segments
 
 
+@pytest.mark.faults  # kills and restarts a whole run: the fault-tolerance step (pytest.ini)
 def test_killed_run_resumes_exactly(tmp_path):
     """A run killed twice (SIGKILL on every rank: once after a step's row was written but before its state, once
     right after a state) and resumed each time equals an uninterrupted one, metric for metric and weight for weight,

@@ -3,6 +3,7 @@ and its optimizer included), split placement with async rollouts runs, and bad i
 
 import re
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -28,6 +29,7 @@ RESUMABLE = ["--steps", "8", "--prompts-per-step", "8", "--group-size", "4", "--
              "--reward-fn", "hash_reward.py:reward", "--skip-reward-check", "--critic-warmup-steps", "3", "--missing-eos-penalty", "0.1"]
 
 
+@pytest.mark.faults  # kills and restarts a whole run: the fault-tolerance step (pytest.ini)
 def test_killed_run_resumes_exactly(tmp_path):
     """Killed (SIGKILL on every rank) after step 5's row and before its state: the resumed run redoes steps 5 and
     on from state 4, and equals an uninterrupted run metric for metric, policy and critic weight for weight."""
