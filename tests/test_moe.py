@@ -18,8 +18,8 @@ import grpo
 from common.rollout.engines import HFRolloutEngine
 from common.train.logprobs import compute_logprobs, packed_response_logprobs, use_packed_attention
 from common.train.model import decoder_layers, shard_model
-from common.train.moe import (check_routing_replay, install_router_hooks, recorded_routes, router_hooks,
-                              router_metrics)
+from common.train.moe import (check_routing_replay, install_router_hooks, recorded_routes, router_aux_loss,
+                              router_hooks, router_metrics)
 from common.train.sequence_parallel import init_sequence_parallel
 from test_grpo import fixed_batch
 
@@ -72,6 +72,31 @@ def test_replaying_the_models_own_routes_changes_nothing():
         assert torch.equal(results[1][1][name], grad), name
     metrics = router_metrics(model, CPU)
     assert metrics["moe/route_agreement"] == 1.0  # counted in the replayed pass only
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_activation_checkpointing_recomputes_the_routers_without_counting_twice(replay):
+    """With activation checkpointing a layer's forward runs again in backward, router hooks included: the
+    recomputation must save what the forward saved (else torch stops the backward) and add no second count. Log-probs,
+    every gradient (the load-balancing loss's on the routers too) and the metrics equal those without checkpointing."""
+    results = []
+    for checkpointing in (False, True):
+        model = tiny_moe()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = with_hooks(model, aux_coef=0.5)
+        samples = [dict(s, routes=r) for s, r in zip(SAMPLES, own_routes(model, SAMPLES))] if replay else SAMPLES
+        logprobs, _ = packed_response_logprobs(model, samples, 0.7)
+        (torch.cat(logprobs).sum() + router_aux_loss(model, 1.0)).backward()
+        results.append((torch.cat(logprobs).detach(), {n: p.grad for n, p in model.named_parameters()},
+                        router_metrics(model, CPU)))
+    (plain, plain_grads, plain_metrics), (checked, checked_grads, checked_metrics) = results
+    torch.testing.assert_close(checked, plain, rtol=0, atol=1e-6)
+    assert plain_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert checked_metrics == pytest.approx(plain_metrics)
+    assert ("moe/route_agreement" in plain_metrics) == replay
 
 
 def other_routes(routes: torch.Tensor, seed: int) -> torch.Tensor:

@@ -112,33 +112,42 @@ class RouterHooks:
             gates = chosen.to(gates.dtype)
         if self.recording is not None:
             self.recording.setdefault(layer, []).append(experts.detach().to(torch.int16))
-        if self.collect:
-            n = len(logits) if self.counted is None else self.counted
-            agree = None
-            if replayed:  # the recorded set of experts equals the trainer's own (order aside)
-                same = (own[:n].sort(-1).values == experts[:n].sort(-1).values).all(-1)
-                agree = torch.stack([(same & given[:n, 0]).sum(), given[:n, 0].sum()]).float()
-            self._count(layer, logits[:n], experts[:n], agree)
+        n = len(logits) if self.counted is None else self.counted
+        aux = None
+        if self.aux_coef and torch.is_grad_enabled():
+            # The loss's term, computed in the forward and again in its recomputation with activation checkpointing
+            # (collect is off by then): both must save the same tensors for backward. Kept from the forward only.
+            aux = self._aux_loss(logits[:n], experts[:n])
+            if self.collect:
+                self.aux.append(aux)
+        if self.collect:  # the metrics, without gradient: nothing saved that a recomputation would not save again
+            with torch.no_grad():
+                agree = None
+                if replayed:  # the recorded set of experts equals the trainer's own (order aside)
+                    same = (own[:n].sort(-1).values == experts[:n].sort(-1).values).all(-1)
+                    agree = torch.stack([(same & given[:n, 0]).sum(), given[:n, 0].sum()]).float()
+                self._count(layer, logits[:n], experts[:n], agree, aux)
         return logits, gates, experts
 
-    def _count(self, layer: int, logits, experts, agree) -> None:
-        """Adds a pass's routes of one layer to the step's sums; keeps its load-balancing loss for the update."""
+    def _aux_loss(self, logits, experts) -> torch.Tensor:
+        """transformers' load_balancing_loss_func on one layer: experts * sum_e (tokens routed to e / tokens) * mean
+        p_e."""
+        load = torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)  # [experts]
+        probs = torch.softmax(logits.float(), dim=-1)
+        return self.num_experts * (load / max(len(logits), 1) * probs.mean(0)).sum()
+
+    def _count(self, layer: int, logits, experts, agree, aux) -> None:
+        """Adds a pass's routes of one layer to the step's sums (aux: its load-balancing loss, if computed)."""
         if self.sums is None:
             self.sums = self._zero_sums(logits.device)
-        tokens = max(len(logits), 1)
-        load = torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)  # [experts]
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        # transformers' load_balancing_loss_func on one layer: experts * sum_e (tokens routed to e / tokens) * mean p_e
-        aux = self.num_experts * (load / tokens * log_probs.exp().mean(0)).sum()
-        if self.aux_coef and torch.is_grad_enabled():
-            self.aux.append(aux)
-        with torch.no_grad():
-            self.sums["load"][layer] += load
-            self.sums["entropy"][layer] += -(log_probs.exp() * log_probs).sum()
-            self.sums["tokens"][layer] += len(logits)
-            self.sums["aux"][layer] += aux * len(logits)
-            if agree is not None:
-                self.sums["agree"] += agree
+        aux = self._aux_loss(logits, experts) if aux is None else aux
+        self.sums["load"][layer] += torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)
+        self.sums["entropy"][layer] += -(log_probs.exp() * log_probs).sum()
+        self.sums["tokens"][layer] += len(logits)
+        self.sums["aux"][layer] += aux * len(logits)
+        if agree is not None:
+            self.sums["agree"] += agree
 
     def _zero_sums(self, device) -> dict[str, torch.Tensor]:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)
