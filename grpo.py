@@ -43,7 +43,7 @@ from common.train.batching import (batching_metrics, mini_batches, pad_rows, pla
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import load_model, load_tokenizer, model_config, shard_model
+from common.train.model import frozen_dtype, load_model, load_tokenizer, model_config, shard_model
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
@@ -311,13 +311,16 @@ def main(args: Args):
         return Rollouts.serve(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer.
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed), args, args.seed), device,
+    # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer. Frozen weights are read in the
+    # dtype they are kept in (frozen_dtype), trained ones in fp32.
+    frozen = frozen_dtype(device, args.precision)
+    base = frozen if args.lora_rank else torch.float32
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=base), args, args.seed), device,
                          args.activation_checkpointing, compile_layers=args.compile, precision=args.precision,
                          router_aux_loss_coef=args.router_aux_loss_coef)
     reference = None  # of the KL penalty: the frozen initial policy; with LoRA, the policy's own base (adapters off)
     if args.kl_coef > 0 and not args.lora_rank:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed), device, trainable=False,
+        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen), device, trainable=False,
                                 compile_layers=args.compile, precision=args.precision, packed_rows=True)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy])

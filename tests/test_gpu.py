@@ -408,7 +408,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from common.train.lora import add_lora
-from common.train.model import load_model, shard_model
+from common.train.model import frozen_dtype, load_model, shard_model
 
 rank, cuda = int(os.environ["RANK"]), torch.cuda.is_available()  # (on CPU: gloo, everything in fp32)
 device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -418,7 +418,8 @@ dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda els
 for path in sys.argv[1:]:
     for rank_of_lora in (0, 4):
         lora = SimpleNamespace(lora_rank=rank_of_lora, lora_alpha=8, lora_targets=None)
-        model = load_model(path, None, 0)
+        dtype = frozen_dtype(device, "bf16") if rank_of_lora else torch.float32  # a LoRA base: read as it is kept
+        model = load_model(path, None, 0, dtype=dtype)
         meta = all(p.is_meta for p in model.parameters())
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         if cuda:
@@ -431,9 +432,10 @@ for path in sys.argv[1:]:
             assert peak < 0.75 * size, (peak, size)
         full = {n: p.full_tensor().cpu() for n, p in sharded.named_parameters()}
         buffers = {n: b.cpu() for n, b in sharded.named_buffers()}
-        whole = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora, 3)
-        for n, p in whole.named_parameters():  # a frozen base is kept in the compute dtype (bf16) on a GPU
-            assert torch.equal(full[n], p.detach() if p.requires_grad or not cuda else p.detach().bfloat16()), (path, n)
+        whole = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lora, 3)
+        for n, p in whole.named_parameters():  # a frozen base is kept in the compute dtype (bf16) on a GPU, what
+            kept = torch.float32 if p.requires_grad or not cuda else torch.bfloat16  # trains in fp32 (adapters too)
+            assert full[n].dtype == kept and torch.equal(full[n], p.detach().to(kept)), (path, n)
         for n, b in whole.named_buffers():
             assert torch.equal(buffers[n], b), (path, n)
         print(f"LOADED {os.path.basename(path)} lora {rank_of_lora} rank {rank} meta {meta} params {len(full)}")
@@ -443,8 +445,8 @@ dist.destroy_process_group()
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_checkpoint_read_by_rank_0_reaches_every_gpu(tmp_path):
-    """Over NCCL on 2 GPUs, a dense and a MoE checkpoint, with and without LoRA (whose frozen base is cast to bf16
-    before sharding): rank 1 builds the model on the meta device, and after shard_model every rank's weights and
+    """Over NCCL on 2 GPUs, a dense and a MoE checkpoint, with and without LoRA (whose frozen base is read in bf16, its
+    adapters kept in fp32): rank 1 builds the model on the meta device, and after shard_model every rank's weights and
     buffers equal one process's whole load (common/train/model.from_pretrained, receive_weights). Rank 0's GPU never
     holds the whole model on the way (its peak stays under 0.75 of the fp32 model: half of it is its shards)."""
     import subprocess

@@ -216,13 +216,14 @@ def load_on_ranks(rank: int, world: int, shard_size, port: int, path: str, out: 
     init_sharding(shard_size, cpu)
     lora = SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets=None)
     for name, build in [("policy", lambda: add_lora(load_model(path, None, 0), lora, 3)),
+                        ("bf16_base", lambda: add_lora(load_model(path, None, 0, dtype=torch.bfloat16), lora, 3)),
                         ("critic", lambda: load_critic(path, None, None, 0)),
                         ("reward", lambda: from_pretrained(AutoModelForSequenceClassification, path, num_labels=1))]:
         model = build()
-        on_meta = {p.is_meta for p in model.parameters()}
+        on_meta, dtypes = {p.is_meta for p in model.parameters()}, {p.dtype for p in model.parameters()}
         model = shard_model(model, cpu)
         generation = getattr(model, "generation_config", None)  # a causal LM's
-        result[name] = {"meta": on_meta, "generation": getattr(generation, "temperature", None),
+        result[name] = {"meta": on_meta, "dtypes": dtypes, "generation": getattr(generation, "temperature", None),
                         "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
                         "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -235,8 +236,8 @@ def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_pat
     copy per rank), and after sharding every rank's weights and buffers (rotary frequencies, which no checkpoint
     holds, among them) are exactly those of one process loading it whole, LoRA adapters included (A drawn from the
     seed); also the critic's, its new value head zeroed, and a reward model's head, whose random initialisation on
-    rank 0 is everyone's; the generation config is the checkpoint's on every rank. On 2 ranks, and on 4 with hybrid
-    sharding (sharded within pairs, replicated across them)."""
+    rank 0 is everyone's; the generation config is the checkpoint's on every rank; a LoRA base read in bf16 (as on a
+    GPU) the same way. On 2 ranks, and on 4 with hybrid sharding (sharded within pairs, replicated across them)."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -258,8 +259,15 @@ def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_pat
                      SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets=None), 3)
     expected = dict(whole.named_parameters())
     assert any("lora_A" in n for n in expected) and dict(whole.named_buffers())
+    read_in_bf16 = add_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.bfloat16),
+                            SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets=None), 3)
     for rank, result in enumerate(ranks):
-        assert [result[name]["meta"] for name in ("policy", "critic", "reward")] == [{rank > 0}] * 3
+        assert [result[name]["meta"] for name in ("policy", "bf16_base", "critic", "reward")] == [{rank > 0}] * 4
+        # a base read in bf16 (frozen_dtype on a GPU): rank 0 holds bf16 and no fp32 copy; after sharding, the same
+        # values (on CPU in fp32) on every rank
+        assert result["bf16_base"]["dtypes"] == {torch.bfloat16 if rank == 0 else torch.float32}
+        for n, p in read_in_bf16.named_parameters():
+            assert torch.equal(result["bf16_base"]["params"][n], p.detach().float()), (rank, n)
         policy = result["policy"]
         assert policy["params"].keys() == expected.keys() and policy["generation"] == 0.7
         for n, p in expected.items():

@@ -65,26 +65,36 @@ def stop_token_ids(model: str | None, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def load_model(model: str | None, tokenizer, seed: int, every_rank: bool = False) -> torch.nn.Module:
-    """The fp32 model for shard_model: a checkpoint read by rank 0 alone (see from_pretrained), or the built-in tiny
-    model built from the seed on every rank. every_rank: the whole model on every rank (one that is not sharded)."""
+def load_model(model: str | None, tokenizer, seed: int, every_rank: bool = False,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model for shard_model: a checkpoint read by rank 0 alone (see from_pretrained), or the built-in tiny
+    model built from the seed on every rank. every_rank: the whole model on every rank (one that is not sharded).
+    dtype: fp32 for weights that train; frozen_dtype for a model that does not (a reference, a LoRA run's base)."""
     if model is None:
         from common.data.synthetic import tiny_model_config
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(tiny_model_config(tokenizer), dtype=torch.float32)
-    return from_pretrained(AutoModelForCausalLM, model, every_rank)
+    return from_pretrained(AutoModelForCausalLM, model, every_rank, dtype)
 
 
-def from_pretrained(model_class, path: str, every_rank: bool = False, **config_overrides) -> torch.nn.Module:
-    """model_class.from_pretrained(path) in fp32 on CPU, on rank 0 only: the other ranks build the same model on the
-    meta device (no memory) and shard_model streams rank 0's weights into their shards. Were every rank to read the
-    whole checkpoint, the host would hold one fp32 copy per rank: 2 ranks of a 30B model asked 244 GB of a 256 GiB
-    host, and one was killed while loading. every_rank: read on every rank."""
+def frozen_dtype(device: torch.device, precision: str) -> torch.dtype:
+    """The dtype a frozen model (a reference, a reward model, a LoRA run's base) is read in: the one shard_model keeps
+    it in, the compute dtype on a GPU and fp32 on CPU. Read in fp32 and cast later, rank 0 would first hold twice the
+    memory: a 30B LoRA run's host peaked at 239 GB of 270 that way, against 61 GB for its bf16 weights."""
+    return compute_dtype(precision) if device.type == "cuda" else torch.float32
+
+
+def from_pretrained(model_class, path: str, every_rank: bool = False, dtype: torch.dtype = torch.float32,
+                    **config_overrides) -> torch.nn.Module:
+    """model_class.from_pretrained(path) in `dtype` on CPU, on rank 0 only: the other ranks build the same model on
+    the meta device (no memory) and shard_model streams rank 0's weights into their shards. Were every rank to read
+    the whole checkpoint, the host would hold one copy per rank: 2 ranks of a 30B model in fp32 asked 244 GB of a
+    256 GiB host, and one was killed while loading. every_rank: read on every rank."""
     shared = not every_rank and dist.is_initialized() and dist.get_world_size() > 1
     if not shared or dist.get_rank() == 0:
-        net = model_class.from_pretrained(path, dtype=torch.float32, **config_overrides)
+        net = model_class.from_pretrained(path, dtype=dtype, **config_overrides)
     else:
-        net = meta_model(path, model_class, **config_overrides)
+        net = meta_model(path, model_class, **config_overrides)  # (shard_model casts it as rank 0's)
     if shared and net.can_generate():  # rank 0's sampling defaults, which generate() applies
         config = [net.generation_config.to_dict()]
         dist.broadcast_object_list(config, 0)
@@ -220,7 +230,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
 
     On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
     are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`. Frozen parameters (a
-    model that does not train, a LoRA model's base) are kept in the compute dtype: they need no fp32 master copy.
+    model that does not train, a LoRA model's base) are kept in the compute dtype: they need no fp32 master copy
+    (frozen_dtype reads them in it).
     trainable=False freezes the whole model; True keeps each parameter's requires_grad (common/train/lora.py sets them).
     compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
     model but a policy that also generates with HF's generate (common/rollout/rollouts.py switches that one itself).
@@ -236,9 +247,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     policy = MixedPrecisionPolicy()  # CPU: fp32 throughout
     if device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
-        for param in model.parameters():
-            if not param.requires_grad:
-                param.data = param.data.to(compute_dtype(precision))
+    for param in model.parameters():  # fp32 master weights for what trains (adapters on a base read in bf16 are bf16)
+        kept = compute_dtype(precision) if device.type == "cuda" and not param.requires_grad else torch.float32
+        param.data = param.data.to(kept)
     install_router_hooks(model, decoder_layers(model), router_aux_loss_coef)  # None for a dense model
     from_rank0 = getattr(model, "weights_from_rank0", False)  # from_pretrained: only rank 0 holds the weights
     # Detached: fully_shard moves each Parameter's data to the GPU in place, and `full` must keep the CPU copy,

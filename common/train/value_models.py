@@ -16,10 +16,11 @@ from common.train.logprobs import attach_forward_method, sample_lengths
 from common.train.sequence_parallel import gather_scored, local_part, sequence_parallel_size
 
 
-def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int) -> torch.nn.Module:
-    """The critic in fp32 on CPU for shard_model (see the module docstring for where its weights come from; a
-    checkpoint is read by rank 0 alone, common/train/model.from_pretrained). Raises a one-line error for a critic
-    checkpoint that cannot serve this policy."""
+def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The critic in `dtype` (a LoRA run's frozen base: frozen_dtype) on CPU for shard_model (see the module docstring
+    for where its weights come from; a checkpoint is read by rank 0 alone, common/train/model.from_pretrained). Raises
+    a one-line error for a critic checkpoint that cannot serve this policy."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from common.train.model import check_model_source, from_pretrained, load_model
@@ -39,7 +40,7 @@ def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: in
         critic.base_model.load_state_dict(policy.base_model.state_dict())
     else:
         try:
-            critic = from_pretrained(AutoModelForTokenClassification, source, num_labels=1)
+            critic = from_pretrained(AutoModelForTokenClassification, source, dtype=dtype, num_labels=1)
         except ValueError as e:  # an architecture without a token-classification class
             raise ValueError(f"cannot build a critic from {source}: {' '.join(str(e).split())[:200]}") from e
     # A new head starts at zero: every value 0, so the first advantages are the rewards themselves, not the noise of
@@ -65,9 +66,9 @@ def _policy_config(model: str | None, tokenizer):
     return AutoConfig.from_pretrained(model)
 
 
-def load_reward_model(path: str):
-    """(reward model in fp32 on CPU, its tokenizer); one clear line for a checkpoint that is not a one-label
-    sequence classifier."""
+def load_reward_model(path: str, dtype: torch.dtype = torch.float32):
+    """(reward model in `dtype` (frozen_dtype) on CPU, its tokenizer); one clear line for a checkpoint that is not a
+    one-label sequence classifier."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from common.train.model import check_model_source, from_pretrained
@@ -79,7 +80,7 @@ def load_reward_model(path: str):
                          f"{architectures}); a reward model scores a whole response with one number")
     if config.num_labels != 1:
         raise ValueError(f"--reward-model {path}: it has {config.num_labels} labels, a reward model has one")
-    model = from_pretrained(AutoModelForSequenceClassification, path)
+    model = from_pretrained(AutoModelForSequenceClassification, path, dtype=dtype)
     return model, AutoTokenizer.from_pretrained(path)
 
 
