@@ -476,7 +476,7 @@ def main(args: Args):
         source = DatasetExamples(rows, args.pairs_per_step // world, rank, world, args.seed, rollouts)
     reference = ReferenceLogps(frozen, None, args.max_tokens_per_micro_batch, device)
     if frozen is None and args.loss_type != "simpo" and not args.online:  # before any update: policy == reference
-        with timer("reference"):
+        with timer("reference", setup=True):
             reference.cache_from(policy, rows, eval_rows, args, rank, world, device, logger)
     moving = {"reference": (frozen, None, None, None)} if frozen is not None and args.ref_update_every else {}
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, source,

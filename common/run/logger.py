@@ -38,8 +38,10 @@ class OutOfGPUMemory(RuntimeError):
 
 class StageTimer:
     """`with timer("rollout"): ...` adds the wall time of the block to `time/rollout` for this step. With
-    hang_timeout_s, from the loop's first step on, a stage (or a gap between stages) that takes longer ends the run
-    (common/run/watchdog.py); the set-up before the loop (loading, a resume, DPO's reference pass) is not watched."""
+    hang_timeout_s, a stage (or, from the loop's first step on, a gap between stages) that takes longer ends the run
+    (common/run/watchdog.py). Before the loop, the stages of step 0 are watched (the first sync and evaluation, which
+    later steps run too) but not the set-up around them (loading, a resume) nor a stage marked setup (DPO's reference
+    pass over the whole dataset)."""
 
     def __init__(self, device: torch.device, hang_timeout_s: float | None = None, output_dir: str | None = None):
         self.device, self.seconds, self.step = device, defaultdict(float), 0
@@ -52,10 +54,11 @@ class StageTimer:
         return time.perf_counter()
 
     @contextmanager
-    def __call__(self, stage: str, waits_for_peers: bool = False):
+    def __call__(self, stage: str, waits_for_peers: bool = False, setup: bool = False):
         """waits_for_peers: the stage only waits for the other side of split placement (a batch, a weight version),
-        whose own watchdog watches that work: this rank's is paused meanwhile."""
-        self._progress(f"stage '{stage}'", paused=waits_for_peers)
+        whose own watchdog watches that work: this rank's is paused meanwhile. setup: one-time work before the loop
+        whose length no step bounds: not watched."""
+        self._progress(f"stage '{stage}'", paused=waits_for_peers or setup)
         signal_point(stage, self.step)
         start = time.perf_counter()
         try:
@@ -66,10 +69,10 @@ class StageTimer:
         except torch.OutOfMemoryError as error:  # one line: where, what is in use, what would fit (the planner)
             raise OutOfGPUMemory(out_of_memory_report(stage, self.step, error)) from None
         self.seconds[f"time/{stage}"] += time.perf_counter() - start
-        self._progress(f"the gap after stage '{stage}'")
+        self._progress(f"the gap after stage '{stage}'", paused=not self.step)  # before the loop: set-up follows
 
     def _progress(self, where: str, paused: bool = False) -> None:
-        if self.watchdog is not None and self.step:  # from the first step on
+        if self.watchdog is not None:
             self.watchdog.progress(self.step, where, paused)
 
     def pop(self) -> dict[str, float]:

@@ -3,8 +3,9 @@ two, never finished) writes the Python stack of every thread to <output_dir>/han
 ranks names the stage, the step and the ranks that did not get there, and the process exits with code 1, so that
 `torchrun --max-restarts` or Slurm starts the run again from its newest state instead of waiting for ever.
 
-Progress is what common.run.logger.StageTimer sees from the loop's first step on: a step's start and each stage's start
-and end; a wait for the other side of split placement is not counted (that side watches its own work). Each rank also
+Progress is what common.run.logger.StageTimer sees: a step's start and each stage's start and end, from the loop's first
+step on, and before it the stages of step 0 (the first sync and evaluation); a wait for the other side of split
+placement is not counted (that side watches its own work). Each rank also
 writes where it is (step and stage) to torchrun's key-value store, which outlives any one rank, so the rank that
 notices a hang can tell which ranks are elsewhere: a peer that died, or one stuck outside the collective the others
 wait in. Every live rank times out on its own and writes its own stack.
