@@ -282,6 +282,40 @@ def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_pat
     assert torch.equal(ranks[1]["critic"]["params"][body], expected[body.replace(".weight", ".base_layer.weight")])
 
 
+def load_in_bf16(rank: int, port: int, path: str, out: str):
+    from common.train.model import load_model, shard_model
+
+    init_gloo(rank, 2, port)
+    model = shard_model(load_model(path, None, 0, dtype=torch.bfloat16), torch.device("cpu"), trainable=False)
+    torch.save({"params": {n: p.full_tensor().clone() for n, p in model.named_parameters()},
+                "buffers": {n: b.clone() for n, b in model.named_buffers()}}, os.path.join(out, f"rank{rank}.pt"))
+    finish_gloo()
+
+
+def test_a_model_read_in_bf16_keeps_rank_0s_buffer_dtypes(tmp_path):
+    """A buffer built without a dtype takes the one the model is read in: Gemma's embed_scale is bf16 on rank 0, which
+    read the checkpoint in bf16 (a frozen model on a GPU), and fp32 on the ranks that built the model on the meta
+    device. They take rank 0's dtype and values, so the layout check passes and every rank holds one process's read."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from scripts.random_model import full_vocab_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Gemma3TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=512, max_position_embeddings=64)).save_pretrained(tmp_path / "model")
+    full_vocab_tokenizer(512).save_pretrained(tmp_path / "model")
+    launcher.spawn(load_in_bf16, args=(free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2)
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.bfloat16)
+    assert whole.model.embed_tokens.embed_scale.dtype == torch.bfloat16  # what makes this case
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        for n, p in whole.named_parameters():
+            assert torch.equal(result["params"][n], p.detach().float()), (rank, n)  # CPU: fp32 after sharding
+        for n, b in whole.named_buffers():
+            assert result["buffers"][n].dtype == b.dtype and torch.equal(result["buffers"][n], b), (rank, n)
+
+
 def load_unlike_rank_0(rank: int, port: int, path: str, out: str):
     from common.train.model import load_model, shard_model
 

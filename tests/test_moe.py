@@ -196,6 +196,12 @@ def test_metrics_and_load_balancing_loss_by_hand():
     hooks.aux[0].backward()
     assert logits.grad.abs().sum() > 0
     assert "moe/route_agreement" not in router_metrics(model, CPU)  # nothing replayed
+    hooks.start_pass(None, 0, collect=True)  # a filler pass (a rank without samples): none of its tokens count
+    hooks._hook(model.model.layers[0].mlp.gate, 0, (logits, torch.ones(6, 2), chosen))
+    assert hooks.aux[0].item() == 0  # not NaN: a mean over no tokens would poison the loss and the metrics
+    hooks.start_pass(None, None, collect=True)
+    hooks._hook(model.model.layers[0].mlp.gate, 0, (logits, torch.ones(6, 2), chosen))
+    assert router_metrics(model, CPU)["moe/aux_loss"] == pytest.approx(hf_layer0.item())
 
 
 def test_dense_models_are_unaffected_and_the_flags_refused():

@@ -309,10 +309,14 @@ class Rollouts:
         if not self.placement.split:
             return {} if self.start_step else self.evaluate(0, due=True)
         if self.start_step < self.args.steps:
-            if self.placement.on_link:
-                shapes = weight_shapes(self.policy)
-                for r in range(self.placement.num_rollout):
-                    check_shapes(shapes, recv_object(self.placement.samples_link, 1 + r), r)
+            # The rollout ranks start their engines meanwhile, however long that takes (not watched for hangs): every
+            # trainer waits here, not in the first sync's collectives.
+            with self.timer("rollout_start", waits_for_peers=True):
+                if self.placement.on_link:
+                    shapes = weight_shapes(self.policy)
+                    for r in range(self.placement.num_rollout):
+                        check_shapes(shapes, recv_object(self.placement.samples_link, 1 + r), r)
+                dist.barrier()
             self._push_weights(self.start_step)
         return {}
 

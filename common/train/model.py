@@ -115,6 +115,13 @@ def receive_weights(model: torch.nn.Module, full: dict[str, torch.Tensor] | None
     (`full`, its model's parameters before sharding, on CPU; None elsewhere, where the model is on the meta device),
     one parameter at a time (distribute_tensor sends each rank its shard); then the buffers, which include the ones no
     checkpoint holds (rotary frequencies). First every rank checks that it built what rank 0 loaded."""
+    # A buffer made without a dtype takes the one the model was read in (Gemma's embed_scale): rank 0's are the truth
+    dtypes = [{name: b.dtype for name, b in model.named_buffers()}]
+    dist.broadcast_object_list(dtypes, 0)
+    for name, buffer in list(model.named_buffers()):
+        if full is None and dtypes[0].get(name, buffer.dtype) != buffer.dtype:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buffer.to(dtypes[0][name])
     layout = [(name, tuple(t.shape), t.dtype) for name, t in [*model.named_parameters(), *model.named_buffers()]]
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)

@@ -134,7 +134,8 @@ class RouterHooks:
         p_e."""
         load = torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)  # [experts]
         probs = torch.softmax(logits.float(), dim=-1)
-        return self.num_experts * (load / max(len(logits), 1) * probs.mean(0)).sum()
+        tokens = max(len(logits), 1)  # (a filler pass counts none of its tokens: 0, not NaN)
+        return self.num_experts * (load / tokens * probs.sum(0) / tokens).sum()
 
     def _count(self, layer: int, logits, experts, agree, aux) -> None:
         """Adds a pass's routes of one layer to the step's sums (aux: its load-balancing loss, if computed)."""
