@@ -42,20 +42,20 @@ def test_a_hang_in_the_first_evaluation_ends_the_run(tmp_path):
 
 
 def test_trainers_wait_for_a_slow_rollout_start_without_a_false_hang(tmp_path):
-    """Split placement: the rollout rank starts its engine (here held at its start-up, a hand-shake, for three times
+    """Split placement: the rollout rank starts its engine (here held at its start-up, a hand-shake, for twice
     --hang-timeout) while both trainers wait, unwatched; only then do step 0's watched stages (the first weight sync)
     begin. The run ends normally."""
     gate = tmp_path / "gate"
 
-    def release():  # once the rollout rank is held, let it go after three timeouts (longer is as good)
+    def release():  # once the rollout rank is held, let it go after two timeouts (longer is as good)
         while not (tmp_path / "gate.reached").exists():
             time.sleep(0.1)
-        time.sleep(15)
+        time.sleep(20)
         gate.touch()
 
     threading.Thread(target=release, daemon=True).start()
     out = tmp_path / "run"
-    result = torchrun([*TINY, "--steps", "2", "--hang-timeout", "5", "--rollout-ranks", "1", "--output-dir", str(out)],
+    result = torchrun([*TINY, "--steps", "2", "--hang-timeout", "10", "--rollout-ranks", "1", "--output-dir", str(out)],
                       tmp_path, nproc=3, env={"NANORL_TEST_CRASH": f"start-up:0:rank=2:until={gate}"})
     assert gate.exists()  # it was held
     output = result.stdout + result.stderr
