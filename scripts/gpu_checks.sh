@@ -49,6 +49,13 @@
 #                                                        # (MOE_SHAPE=qwen3-30b-a3b EXTRA="--lora-rank 32
 #                                                        # --activation-checkpointing": the 30B shape with LoRA;
 #                                                        # LIMIT: seconds a run, TAG: a suffix for the names)
+#   bash scripts/gpu_checks.sh tp2 OUTDIR [GPUS]         # --rollout-tp 2 (one vLLM replica over 2 GPUs): grpo.py 3 steps on
+#                                                        # the tiny dense and MoE shapes (the same attention), every sync
+#                                                        # checked, --hang-timeout 90 (a hang ends with every rank's stacks
+#                                                        # in OUTDIR/tp2_<variant>_hangs/); VARIANTS: some of "dense moe
+#                                                        # blocking level1" (the MoE with CUDA_LAUNCH_BLOCKING=1, whose
+#                                                        # stacks then name the kernel that never returns; with
+#                                                        # --rollout-sleep-level 1); about 1.5 minutes each, 3 if it hangs
 #   bash scripts/gpu_checks.sh preempt OUTDIR [GPUS]     # issue 41's stops and restarts, grpo split over 2 GPUs (one
 #                                                        # trains, one generates with vLLM a step ahead): SIGTERM to
 #                                                        # every process during an update, then during generation,
@@ -329,6 +336,21 @@ for key in ("rollout/logprob_diff", "moe/max_load", "moe/router_entropy", "moe/r
     print(key, [round(r[key], 4) for r in rows if key in r])
 PY
     summary $name /tmp/$name
+  done
+fi
+if [ "$mode" = tp2 ]; then
+  g=${3:-0,1}
+  for v in ${VARIANTS:-dense moe blocking level1}; do
+    s=$([ $v = dense ] && echo tiny || echo qwen3-moe-tiny)
+    [ -d /tmp/tp2_$s ] || python3 scripts/random_model.py --shape $s --out /tmp/tp2_$s || exit 1
+    rm -rf /tmp/tp2_run_$v
+    CUDA_LAUNCH_BLOCKING=$([ $v = blocking ] && echo 1 || echo 0) run tp2_$v 240 $g torchrun --standalone \
+      --nproc_per_node 2 grpo.py --model /tmp/tp2_$s --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check \
+      --rollout-engine vllm --rollout-tp 2 --rollout-eager --check-weight-sync --precision bf16 --steps 3 \
+      --prompts-per-step 8 --group-size 8 --max-response-len 16 --eval-every 2 --eval-size 16 --hang-timeout 90 \
+      --resume none --overwrite --output-dir /tmp/tp2_run_$v $([ $v = level1 ] && echo --rollout-sleep-level 1) $EXTRA
+    grep -h "^rank" /tmp/tp2_run_$v/hangs/*.txt 2>/dev/null
+    [ -d /tmp/tp2_run_$v/hangs ] && cp -r /tmp/tp2_run_$v/hangs "$out/tp2_${v}_hangs"
   done
 fi
 if [ "$mode" = preempt ]; then
