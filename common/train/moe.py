@@ -113,11 +113,15 @@ class RouterHooks:
         if self.recording is not None:
             self.recording.setdefault(layer, []).append(experts.detach().to(torch.int16))
         n = len(logits) if self.counted is None else self.counted
+        with_loss = self.aux_coef and torch.is_grad_enabled()
+        if not (with_loss or self.collect):
+            return logits, gates, experts
+        load = torch.bincount(experts[:n].flatten(), minlength=self.num_experts).to(logits.device)  # [experts]
         aux = None
-        if self.aux_coef and torch.is_grad_enabled():
+        if with_loss:
             # The loss's term, computed in the forward and again in its recomputation with activation checkpointing
             # (collect is off by then): both must save the same tensors for backward. Kept from the forward only.
-            aux = self._aux_loss(logits[:n], experts[:n])
+            aux = self._aux_loss(load, torch.softmax(logits[:n].float(), dim=-1))
             if self.collect:
                 self.aux.append(aux)
         if self.collect:  # the metrics, without gradient: nothing saved that a recomputation would not save again
@@ -126,27 +130,25 @@ class RouterHooks:
                 if replayed:  # the recorded set of experts equals the trainer's own (order aside)
                     same = (own[:n].sort(-1).values == experts[:n].sort(-1).values).all(-1)
                     agree = torch.stack([(same & given[:n, 0]).sum(), given[:n, 0].sum()]).float()
-                self._count(layer, logits[:n], experts[:n], agree, aux)
+                self._count(layer, logits[:n], load, agree, aux)
         return logits, gates, experts
 
-    def _aux_loss(self, logits, experts) -> torch.Tensor:
+    def _aux_loss(self, load, probs) -> torch.Tensor:
         """transformers' load_balancing_loss_func on one layer: experts * sum_e (tokens routed to e / tokens) * mean
-        p_e."""
-        load = torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)  # [experts]
-        probs = torch.softmax(logits.float(), dim=-1)
-        tokens = max(len(logits), 1)  # (a filler pass counts none of its tokens: 0, not NaN)
+        p_e, from the layer's expert counts `load` and router probabilities `probs` [tokens, experts]."""
+        tokens = max(len(probs), 1)  # (a filler pass counts none of its tokens: 0, not NaN)
         return self.num_experts * (load / tokens * probs.sum(0) / tokens).sum()
 
-    def _count(self, layer: int, logits, experts, agree, aux) -> None:
+    def _count(self, layer: int, logits, load, agree, aux) -> None:
         """Adds a pass's routes of one layer to the step's sums (aux: its load-balancing loss, if computed)."""
         if self.sums is None:
             self.sums = self._zero_sums(logits.device)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        aux = self._aux_loss(logits, experts) if aux is None else aux
-        self.sums["load"][layer] += torch.bincount(experts.flatten(), minlength=self.num_experts).to(logits.device)
-        self.sums["entropy"][layer] += -(log_probs.exp() * log_probs).sum()
+        probs = log_probs.exp()
+        self.sums["load"][layer] += load
+        self.sums["entropy"][layer] += -(probs * log_probs).sum()
         self.sums["tokens"][layer] += len(logits)
-        self.sums["aux"][layer] += aux * len(logits)
+        self.sums["aux"][layer] += (self._aux_loss(load, probs) if aux is None else aux) * len(logits)
         if agree is not None:
             self.sums["agree"] += agree
 
