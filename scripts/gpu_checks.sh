@@ -49,12 +49,6 @@
 #                                                        # (MOE_SHAPE=qwen3-30b-a3b EXTRA="--lora-rank 32
 #                                                        # --activation-checkpointing": the 30B shape with LoRA;
 #                                                        # LIMIT: seconds a run, TAG: a suffix for the names)
-#   bash scripts/gpu_checks.sh tp2 OUTDIR [GPUS]         # --rollout-tp 2 (one vLLM replica over 2 GPUs): grpo.py 3 steps on
-#                                                        # the tiny dense and MoE shapes (the same attention), every sync
-#                                                        # checked, --hang-timeout 90 (a hang ends with every rank's stacks
-#                                                        # in OUTDIR/tp2_<variant>_hangs/); VARIANTS: some of "dense moe
-#                                                        # blocking eager_load level1 car_off sync_sched" (see the mode),
-#                                                        # PARALLEL=1 all at once; about 1.5 minutes each, 3 if it hangs
 #   bash scripts/gpu_checks.sh preempt OUTDIR [GPUS]     # issue 41's stops and restarts, grpo split over 2 GPUs (one
 #                                                        # trains, one generates with vLLM a step ahead): SIGTERM to
 #                                                        # every process during an update, then during generation,
@@ -336,46 +330,6 @@ for key in ("rollout/logprob_diff", "moe/max_load", "moe/router_entropy", "moe/r
 PY
     summary $name /tmp/$name
   done
-fi
-if [ "$mode" = tp2 ]; then
-  # Variants: dense and moe as they are; on the MoE, blocking (CUDA_LAUNCH_BLOCKING=1), eager_load
-  # (CUDA_MODULE_LOADING=EAGER: no module loaded, nor context synchronised, at a kernel's first launch), level1
-  # (--rollout-sleep-level 1), car_off and sync_sched (vLLM's disable_custom_all_reduce=True and async_scheduling=False,
-  # through a wrapper that adds them to every vllm.LLM(...)). PARALLEL=1 runs them side by side (tiny models: a hung
-  # variant's spinning kernels slow the others, no more).
-  g=${3:-0,1}
-  cat > /tmp/tp2_vllm_kwargs.py <<'PY'
-import json, os, runpy, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as common/rollout/vllm_engine.py sets it, before vLLM reads it
-import vllm
-extra, init = json.loads(os.environ["TP2_VLLM_KWARGS"]), vllm.LLM.__init__
-vllm.LLM.__init__ = lambda self, *args, **kwargs: init(self, *args, **{**kwargs, **extra})
-sys.path.insert(0, os.getcwd())
-sys.argv[0] = "grpo.py"
-runpy.run_path("grpo.py", run_name="__main__")
-PY
-  for s in tiny qwen3-moe-tiny; do
-    [ -d /tmp/tp2_$s ] || python3 scripts/random_model.py --shape $s --out /tmp/tp2_$s || exit 1
-  done
-  for v in ${VARIANTS:-dense moe blocking level1}; do
-    s=$([ $v = dense ] && echo tiny || echo qwen3-moe-tiny)
-    case $v in car_off) kw='{"disable_custom_all_reduce": true}' ;; sync_sched) kw='{"async_scheduling": false}' ;; *) kw= ;; esac
-    rm -rf /tmp/tp2_run_$v
-    (
-      CUDA_LAUNCH_BLOCKING=$([ $v = blocking ] && echo 1 || echo 0) \
-      CUDA_MODULE_LOADING=$([ $v = eager_load ] && echo EAGER || echo LAZY) TP2_VLLM_KWARGS=$kw \
-      run tp2_$v 240 $g torchrun --standalone --nproc_per_node 2 $([ -n "$kw" ] && echo /tmp/tp2_vllm_kwargs.py || echo grpo.py) \
-        --model /tmp/tp2_$s --reward-fn /tmp/hash_reward_$mode.py:reward --skip-reward-check \
-        --rollout-engine vllm --rollout-tp 2 --rollout-eager --check-weight-sync --precision bf16 --steps 3 \
-        --prompts-per-step 8 --group-size 8 --max-response-len 16 --eval-every 2 --eval-size 16 \
-        --hang-timeout ${HANG_TIMEOUT:-90} --resume none --overwrite --output-dir /tmp/tp2_run_$v \
-        $([ $v = level1 ] && echo --rollout-sleep-level 1) $EXTRA
-      grep -h "^rank" /tmp/tp2_run_$v/hangs/*.txt 2>/dev/null
-      [ -d /tmp/tp2_run_$v/hangs ] && cp -r /tmp/tp2_run_$v/hangs "$out/tp2_${v}_hangs"
-    ) &
-    [ "${PARALLEL:-0}" = 1 ] || wait
-  done
-  wait
 fi
 if [ "$mode" = preempt ]; then
   # The stop moments are the fault tests' (tests/test_split.py, tests/test_restarts.py), reached through their

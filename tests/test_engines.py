@@ -76,6 +76,34 @@ def test_logprobs_are_optional_and_do_not_change_the_samples():
     assert all(c.logprobs is None for g in without for c in g)
 
 
+def test_keys_too_narrow_for_vllms_cache_write_are_refused_before_it_starts(tmp_path):
+    """vLLM 0.26.0's KV-cache write never returns when a rank's kv heads x head dim is below 32 (a warp): a tiny
+    model of 2 kv heads of dimension 16 hung at --rollout-tp 2 (1 head, 16 values a token), and one of 1 kv head of 16
+    hung on one GPU, while 2 heads of 16 ran (benchmarks/README.md, "Mixture of experts"). Refused in one line."""
+    import grpo
+    from transformers import Qwen3Config
+
+    from common.rollout.vllm_engine import check_kv_width
+    from scripts.random_model import save_random_model
+
+    tiny = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # head dim 64 / 4 = 16
+    check_kv_width(tiny, 1)  # 2 x 16 = 32: ran
+    with pytest.raises(ValueError, match=r"--rollout-tp 2: each rank would hold 1 kv head\(s\) of dimension 16, 16 "):
+        check_kv_width(tiny, 2)
+    with pytest.raises(ValueError, match="1 kv head"):  # one head on one GPU: hung
+        check_kv_width(Qwen3Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16), 1)
+    qwen_05b = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2)  # 2 kv heads of 64: ran
+    for tp in (1, 2, 4):  # at 4, vLLM copies a kv head onto the ranks that share it: still 64 values
+        check_kv_width(qwen_05b, tp)
+    check_kv_width(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32), 2)  # 32
+    # grpo.py says it at start-up, before any model is loaded; the HF engine has no such kernel
+    save_random_model("tiny", str(tmp_path))  # the shape above
+    args = dict(model=str(tmp_path), max_response_len=2, rollout_tp=2, prompts_per_step=2)
+    with pytest.raises(ValueError, match="--rollout-tp 2: each rank would hold"):
+        grpo.check_args(grpo.Args(rollout_engine="vllm", **args), 2)
+    grpo.check_args(grpo.Args(rollout_engine="hf", **args), 2)
+
+
 def test_default_kv_cache_holds_the_sequences_of_a_step():
     from common.rollout.vllm_engine import default_sleep_level, kv_cache_gib
     # Qwen2.5-0.5B: 24 layers, 2 kv heads of 64 dims. In bf16, keys and values take 2 * 24 * 2 * 64 * 2 = 12,288

@@ -338,9 +338,10 @@ print("LOGPROBS " + json.dumps({"vllm": vllm_lp, "hf": hf_lp}))
 """
 
 
-def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = ()) -> list[dict]:
+def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = (), **config) -> list[dict]:
     """grpo.py with --check-weight-sync on scripts/random_model.py's tiny `shape` (initialised at std 0.1, so that
-    log-probs depend on the weights) and a reward of varied values (the weights move every step); its metric rows."""
+    log-probs depend on the weights; `config` overrides its sizes) and a reward of varied values (the weights move
+    every step); its metric rows."""
     import json
     import subprocess
     import sys
@@ -349,7 +350,9 @@ def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = ()) -> list
     from test_grpo_e2e import HASH_REWARD
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    config, tokenizer = model_config(shape), full_vocab_tokenizer(4096)
+    overrides, tokenizer = config, full_vocab_tokenizer(4096)
+    config = model_config(shape)
+    config.update(overrides)
     config.initializer_range, config.eos_token_id, config.pad_token_id = 0.1, tokenizer.eos_token_id, \
         tokenizer.pad_token_id
     torch.manual_seed(0)
@@ -479,8 +482,9 @@ def test_a_checkpoint_read_by_rank_0_reaches_every_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_moe_sync_is_checked_at_tensor_parallel_size_2(tmp_path):
     """The tiny Qwen3-MoE on 2 GPUs, one vLLM replica of --rollout-tp 2: each rank holds half of every expert's
-    intermediate rows (and down_proj's columns), and the check compares that half."""
-    rows = run_moe_grpo(tmp_path, "qwen3-moe-tiny", nproc=2, more=("--rollout-tp", "2"))
+    intermediate rows (and down_proj's columns), and the check compares that half. Its heads are of dimension 32 (16
+    in the shape): a rank's one kv head of 16 hangs vLLM's KV-cache write (common/rollout/vllm_engine.check_kv_width)."""
+    rows = run_moe_grpo(tmp_path, "qwen3-moe-tiny", nproc=2, more=("--rollout-tp", "2"), head_dim=32)
     assert sum("time/check_sync" in r for r in rows) >= 3
 
 

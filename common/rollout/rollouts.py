@@ -34,6 +34,7 @@ from common.rollout.split import (STOP, behaviour_version, check_shapes, close_l
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
                           staleness_metrics, stop_rollout_ranks, weight_versions)
 from common.rollout.tools import check_sandbox
+from common.rollout.vllm_engine import check_kv_width
 from common.run.distributed import (all_reduce_sum, decided_by_rank0, finish_distributed, max_over_ranks,
                                 raise_on_all_ranks)
 from common.run.errors import check_ranges
@@ -170,8 +171,10 @@ def check_rollout_args(args, num_trainers: int) -> None:
     if args.check_weight_sync and args.rollout_ranks:
         raise ValueError("--check-weight-sync compares a colocated engine's weights with the trainer's on the same "
                          "rank; with --rollout-ranks no rank holds both (check a colocated run of the same model)")
-    if args.rollout_engine == "vllm" and args.model is not None:  # a MoE family vLLM's experts cannot take
-        check_moe_mapped(model_config(args.model), args.model)
+    if args.rollout_engine == "vllm" and args.model is not None:  # a MoE family vLLM's experts cannot take, or
+        config = model_config(args.model)  # keys too narrow for vLLM's cache write at this --rollout-tp
+        check_moe_mapped(config, args.model)
+        check_kv_width(config, args.rollout_tp)
     if args.reward_fn is not None:  # (resolve_defaults sets it) a bad reward spec fails now, before any model loads
         load_reward_fn(args.reward_fn)
     if wants_episodes(args):  # a bad --env / --tools too, and a machine where the python tool has no sandbox
