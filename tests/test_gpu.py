@@ -338,9 +338,9 @@ print("LOGPROBS " + json.dumps({"vllm": vllm_lp, "hf": hf_lp}))
 """
 
 
-def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = (), **config) -> list[dict]:
+def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = (), **sizes) -> list[dict]:
     """grpo.py with --check-weight-sync on scripts/random_model.py's tiny `shape` (initialised at std 0.1, so that
-    log-probs depend on the weights; `config` overrides its sizes) and a reward of varied values (the weights move
+    log-probs depend on the weights; `sizes` override its config's) and a reward of varied values (the weights move
     every step); its metric rows."""
     import json
     import subprocess
@@ -350,9 +350,8 @@ def run_moe_grpo(tmp_path, shape: str, nproc: int = 1, more: tuple = (), **confi
     from test_grpo_e2e import HASH_REWARD
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    overrides, tokenizer = config, full_vocab_tokenizer(4096)
-    config = model_config(shape)
-    config.update(overrides)
+    config, tokenizer = model_config(shape), full_vocab_tokenizer(4096)
+    config.update(sizes)
     config.initializer_range, config.eos_token_id, config.pad_token_id = 0.1, tokenizer.eos_token_id, \
         tokenizer.pad_token_id
     torch.manual_seed(0)
