@@ -47,7 +47,7 @@ from common.run.signals import stop_agreed
 from common.train.batching import plan_equal_micro_batches, share_samples_evenly
 from common.train.logprobs import model_token_mask
 from common.train.lora import LoraArgs, add_lora, check_lora_args, default_lr
-from common.train.model import frozen_dtype, load_model, load_tokenizer, shard_model
+from common.train.model import load_model, load_tokenizer, read_dtypes, shard_model
 from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
@@ -449,12 +449,10 @@ def main(args: Args):
                               run_dir.start_step)
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
-    # Frozen weights are read in the dtype they are kept in (frozen_dtype), trained ones in fp32.
     shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
                                                        trainable, args.compile, args.precision, packed_rows=True,
                                                        router_aux_loss_coef=trainable * args.router_aux_loss_coef)
-    kept = frozen_dtype(device, args.precision)
-    base = kept if args.lora_rank else torch.float32
+    base, kept = read_dtypes(device, args.precision, args.lora_rank)  # frozen weights are read as they are kept
     policy = shard(add_lora(load_model(args.model, tokenizer, args.seed, dtype=base), args, args.seed), trainable=True)
     frozen = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":

@@ -43,7 +43,7 @@ from common.train.batching import (batching_metrics, mini_batches, pad_rows, pla
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import frozen_dtype, load_model, load_tokenizer, model_config, shard_model
+from common.train.model import load_model, load_tokenizer, model_config, read_dtypes, shard_model
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
@@ -312,10 +312,9 @@ def main(args: Args):
                               run_dir.start_step)
 
     # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer. Frozen weights are read in the
-    # dtype they are kept in (frozen_dtype), trained ones in fp32.
-    frozen = frozen_dtype(device, args.precision)
-    base = frozen if args.lora_rank else torch.float32
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=base), args, args.seed), device,
+    # dtype they are kept in, trained ones in fp32.
+    trained, frozen = read_dtypes(device, args.precision, args.lora_rank)
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained), args, args.seed), device,
                          args.activation_checkpointing, compile_layers=args.compile, precision=args.precision,
                          router_aux_loss_coef=args.router_aux_loss_coef)
     reference = None  # of the KL penalty: the frozen initial policy; with LoRA, the policy's own base (adapters off)

@@ -47,7 +47,7 @@ from common.train.batching import (batching_metrics, mini_batches, pad_rows, pla
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import frozen_dtype, load_model, load_tokenizer, model_config, shard_model
+from common.train.model import load_model, load_tokenizer, model_config, read_dtypes, shard_model
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.offload import Offloader
 from common.train.optim import clip_and_step, make_optimizer
@@ -479,13 +479,12 @@ def main(args: Args):
 
     # Models: the policy and the critic, an optimizer each (with --lora-rank: adapters on frozen bases, the critic's
     # value head trained in full); the frozen reference (with LoRA: the policy's own base) and reward model.
-    # Frozen weights are read in the dtype they are kept in (frozen_dtype), trained ones in fp32.
+    # Frozen weights are read in the dtype they are kept in, trained ones in fp32.
     shard = dict(compile_layers=args.compile, precision=args.precision)
-    frozen = frozen_dtype(device, args.precision)
-    base = frozen if args.lora_rank else torch.float32
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=base), args, args.seed), device,
+    trained, frozen = read_dtypes(device, args.precision, args.lora_rank)
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained), args, args.seed), device,
                          args.activation_checkpointing, router_aux_loss_coef=args.router_aux_loss_coef, **shard)
-    critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed, base), args,
+    critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed, trained), args,
                                   args.seed, heads=("score",)),
                          device, args.activation_checkpointing, packed_rows=True, **shard)  # (never generates)
     reference = reward_model = rm_tokenizer = None

@@ -410,7 +410,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from common.train.lora import add_lora
-from common.train.model import frozen_dtype, load_model, shard_model
+from common.train.model import load_model, read_dtypes, shard_model
 
 rank, cuda = int(os.environ["RANK"]), torch.cuda.is_available()  # (on CPU: gloo, everything in fp32)
 device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -420,7 +420,7 @@ dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda els
 for path in sys.argv[1:]:
     for rank_of_lora in (0, 4):
         lora = SimpleNamespace(lora_rank=rank_of_lora, lora_alpha=8, lora_targets=None)
-        dtype = frozen_dtype(device, "bf16") if rank_of_lora else torch.float32  # a LoRA base: read as it is kept
+        dtype = read_dtypes(device, "bf16", rank_of_lora)[0]  # a LoRA base: read as it is kept
         model = load_model(path, None, 0, dtype=dtype)
         meta = all(p.is_meta for p in model.parameters())
         size = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -109,6 +109,18 @@ def test_an_export_whose_tokenizer_does_not_read_back_stops_every_rank(tmp_path)
     assert stopped[1] == stopped[0]
     assert (tmp_path / "hf" / "config.json").exists()  # the export is in place all the same, for a look at it
 
+def test_checkpoints_are_read_in_the_dtype_their_weights_are_kept_in():
+    """read_dtypes: (the policy's, a frozen model's). On a GPU a frozen model is kept in the compute dtype, so it is
+    read in it, and so is a LoRA run's base; a policy trained in full is read in fp32. On CPU everything is fp32."""
+    from common.train.model import read_dtypes
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert read_dtypes(gpu, "bf16", 0) == (torch.float32, torch.bfloat16)
+    assert read_dtypes(gpu, "bf16", 32) == (torch.bfloat16, torch.bfloat16)
+    assert read_dtypes(gpu, "fp32", 32) == (torch.float32, torch.float32)
+    assert read_dtypes(cpu, "bf16", 32) == (torch.float32, torch.float32)
+
+
 def test_precision_auto_picks_fp32_below_0_3b_parameters(tmp_path):
     from transformers import Qwen2Config
 
@@ -263,7 +275,7 @@ def test_a_checkpoint_is_read_by_rank_0_and_every_rank_holds_its_weights(tmp_pat
                             SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets=None), 3)
     for rank, result in enumerate(ranks):
         assert [result[name]["meta"] for name in ("policy", "bf16_base", "critic", "reward")] == [{rank > 0}] * 4
-        # a base read in bf16 (frozen_dtype on a GPU): rank 0 holds bf16 and no fp32 copy; after sharding, the same
+        # a base read in bf16 (read_dtypes on a GPU): rank 0 holds bf16 and no fp32 copy; after sharding, the same
         # values (on CPU in fp32) on every rank
         assert result["bf16_base"]["dtypes"] == {torch.bfloat16 if rank == 0 else torch.float32}
         for n, p in read_in_bf16.named_parameters():

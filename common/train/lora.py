@@ -98,7 +98,7 @@ def add_lora(model: torch.nn.Module, args, seed: int, heads: tuple[str, ...] = (
     (the model stays the same HF class, its adapted layers become peft's lora.Linear), and every weight but the
     adapters' (and the `heads`, e.g. a critic's value head) frozen. A draws from `seed` alone, so every rank builds
     the same adapters without touching the global random stream (peft makes them in the base's dtype: on a base read
-    in bf16, frozen_dtype, A's draw is rounded to bf16, and shard_model keeps them in fp32 from there). The config
+    in bf16 (read_dtypes), A's draw is rounded to bf16, and shard_model keeps them in fp32 from there). The config
     lands in model.peft_config["default"], with the heads as its modules_to_save, for the exports. Without LoRA: the
     model unchanged."""
     if not args.lora_rank:

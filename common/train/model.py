@@ -69,7 +69,7 @@ def load_model(model: str | None, tokenizer, seed: int, every_rank: bool = False
                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model for shard_model: a checkpoint read by rank 0 alone (see from_pretrained), or the built-in tiny
     model built from the seed on every rank. every_rank: the whole model on every rank (one that is not sharded).
-    dtype: fp32 for weights that train; frozen_dtype for a model that does not (a reference, a LoRA run's base)."""
+    dtype: see read_dtypes."""
     if model is None:
         from common.data.synthetic import tiny_model_config
         torch.manual_seed(seed)
@@ -77,11 +77,13 @@ def load_model(model: str | None, tokenizer, seed: int, every_rank: bool = False
     return from_pretrained(AutoModelForCausalLM, model, every_rank, dtype)
 
 
-def frozen_dtype(device: torch.device, precision: str) -> torch.dtype:
-    """The dtype a frozen model (a reference, a reward model, a LoRA run's base) is read in: the one shard_model keeps
-    it in, the compute dtype on a GPU and fp32 on CPU. Read in fp32 and cast later, rank 0 would first hold twice the
-    memory: a 30B LoRA run's host peaked at 239 GB of 270 that way, against 61 GB for its bf16 weights."""
-    return compute_dtype(precision) if device.type == "cuda" else torch.float32
+def read_dtypes(device: torch.device, precision: str, lora_rank: int) -> tuple[torch.dtype, torch.dtype]:
+    """(the policy's, a frozen model's) dtype to read a checkpoint in. A frozen model (a reference, a reward model, a
+    LoRA run's base) is read in the dtype shard_model keeps it in: the compute dtype on a GPU, fp32 on CPU. Read in
+    fp32 and cast later, rank 0 would first hold twice the memory: a 30B LoRA run's host peaked at 239 GB of 270 that
+    way, against 61 GB for its bf16 weights. A policy trained in full is read in fp32, its master weights' dtype."""
+    frozen = compute_dtype(precision) if device.type == "cuda" else torch.float32
+    return frozen if lora_rank else torch.float32, frozen
 
 
 def from_pretrained(model_class, path: str, every_rank: bool = False, dtype: torch.dtype = torch.float32,
@@ -238,7 +240,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     On GPU the compute runs in bf16 (precision "fp32": fp32) while the sharded master weights stay fp32 and gradients
     are reduced in fp32; on CPU everything is fp32. fully_shard moves the shards to `device`. Frozen parameters (a
     model that does not train, a LoRA model's base) are kept in the compute dtype: they need no fp32 master copy
-    (frozen_dtype reads them in it).
+    (read_dtypes reads them in it).
     trainable=False freezes the whole model; True keeps each parameter's requires_grad (common/train/lora.py sets them).
     compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
     model but a policy that also generates with HF's generate (common/rollout/rollouts.py switches that one itself).
@@ -254,9 +256,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpo
     policy = MixedPrecisionPolicy()  # CPU: fp32 throughout
     if device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
+    _, frozen = read_dtypes(device, precision, 0)
     for param in model.parameters():  # fp32 master weights for what trains (adapters on a base read in bf16 are bf16)
-        kept = compute_dtype(precision) if device.type == "cuda" and not param.requires_grad else torch.float32
-        param.data = param.data.to(kept)
+        param.data = param.data.to(torch.float32 if param.requires_grad else frozen)
     install_router_hooks(model, decoder_layers(model), router_aux_loss_coef)  # None for a dense model
     from_rank0 = getattr(model, "weights_from_rank0", False)  # from_pretrained: only rank 0 holds the weights
     # Detached: fully_shard moves each Parameter's data to the GPU in place, and `full` must keep the CPU copy,

@@ -18,7 +18,7 @@ from common.train.sequence_parallel import gather_scored, local_part, sequence_p
 
 def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int,
                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The critic in `dtype` (a LoRA run's frozen base: frozen_dtype) on CPU for shard_model (see the module docstring
+    """The critic in `dtype` (a LoRA run's frozen base: read_dtypes) on CPU for shard_model (see the module docstring
     for where its weights come from; a checkpoint is read by rank 0 alone, common/train/model.from_pretrained). Raises
     a one-line error for a critic checkpoint that cannot serve this policy."""
     from transformers import AutoConfig, AutoModelForTokenClassification
@@ -67,7 +67,7 @@ def _policy_config(model: str | None, tokenizer):
 
 
 def load_reward_model(path: str, dtype: torch.dtype = torch.float32):
-    """(reward model in `dtype` (frozen_dtype) on CPU, its tokenizer); one clear line for a checkpoint that is not a
+    """(reward model in `dtype` (read_dtypes) on CPU, its tokenizer); one clear line for a checkpoint that is not a
     one-label sequence classifier."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
