@@ -363,3 +363,34 @@ def test_a_rank_that_built_another_model_than_rank_0_loaded_stops_every_rank(tmp
     assert stopped[0] == ("rank 1 built the model from the checkpoint's config unlike the one rank 0 loaded (a "
                           "quantized checkpoint?): only rank 0 has nothing else, only rank 1 ['model.norm.scale [4] "
                           "float32']"), stopped[0]
+
+
+def test_bench_load_reports_the_whole_model_read_by_rank_0(tmp_path):
+    """scripts/bench_load.py on 2 CPU ranks: its parameter count is the checkpoint's plus LoRA's adapters (derived
+    from the shapes: r x (in + out) for each of the 7 projections of each layer), read in fp32 on CPU."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from scripts.random_model import full_vocab_tokenizer, model_config
+
+    config = model_config("tiny")
+    config.vocab_size = 512
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "model")
+    full_vocab_tokenizer(512).save_pretrained(tmp_path / "model")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             os.path.join(root, "scripts", "bench_load.py"), "--model", str(tmp_path / "model"),
+                             "--lora-rank", "4", "--out", str(tmp_path / "load.json")],
+                            capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "load.json").read_text())
+    h, mlp, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = h // config.num_attention_heads
+    q, kv = h, config.num_key_value_heads * head_dim
+    adapters = 4 * layers * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + mlp) + (mlp + h))
+    assert report["parameters"] == model.num_parameters() + adapters
+    assert report["read_dtype"] == "torch.float32" and [r["rank"] for r in report["ranks"]] == [0, 1]
