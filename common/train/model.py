@@ -81,7 +81,8 @@ def read_dtypes(device: torch.device, precision: str, lora_rank: int) -> tuple[t
     """(the policy's, a frozen model's) dtype to read a checkpoint in. A frozen model (a reference, a reward model, a
     LoRA run's base) is read in the dtype shard_model keeps it in: the compute dtype on a GPU, fp32 on CPU. Read in
     fp32 and cast later, rank 0 would first hold twice the memory: a 30B LoRA run's host peaked at 239 GB of 270 that
-    way, against 61 GB for its bf16 weights. A policy trained in full is read in fp32, its master weights' dtype."""
+    way, against 61.8 GB read in bf16 (scripts/bench_load.py). A policy trained in full is read in fp32, its master
+    weights' dtype."""
     frozen = compute_dtype(precision) if device.type == "cuda" else torch.float32
     return frozen if lora_rank else torch.float32, frozen
 
