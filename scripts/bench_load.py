@@ -66,7 +66,8 @@ def main():
         torch.cuda.synchronize()
     dist.barrier()
     shard_s = time.perf_counter() - start
-    ours = {"rank": rank, "read_s": round(read_s, 2), "shard_s": round(shard_s, 2), "rss_after_read_gb": round(read_rss, 2),
+    ours = {"rank": rank, "read_s": round(read_s, 2), "shard_s": round(shard_s, 2),
+            "rss_after_read_gb": round(read_rss, 2),
             "rss_peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
             "gpu_peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
     ranks = [None] * world
@@ -75,8 +76,8 @@ def main():
         host.running = False
         params = sum(p.numel() for p in model.parameters())  # (a DTensor's numel is the whole parameter's)
         result = {"model": args.model, "world": world, "lora_rank": args.lora_rank, "read_dtype": str(dtype),
-                  "parameters": params, "parameters_b": round(params / 1e9, 3), "host_in_use_before_gb": round(before, 1),
-                  "host_in_use_peak_gb": round(host.peak, 1), "ranks": ranks}
+                  "parameters": params, "parameters_b": round(params / 1e9, 3),
+                  "host_in_use_before_gb": round(before, 1), "host_in_use_peak_gb": round(host.peak, 1), "ranks": ranks}
         print(json.dumps(result, indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -88,7 +88,7 @@ def save_random_model(shape: str, out: str, stop_every: int = 0) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.cpu()  # drawn on a GPU (fast), saved from host memory: saving copies a MoE's experts (30B: 2x a GPU's)
+    model.cpu()  # drawn on a GPU (fast), saved from host memory: saving copies a MoE's experts (30B: over 80 GB)
     if stop_every:
         fillers = sorted(i for word, i in tokenizer.get_vocab().items() if word == f"w{i}")
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, *fillers[::stop_every]]
