@@ -14,14 +14,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.run.distributed import init_distributed  # noqa: E402
-from common.train.lora import add_lora  # noqa: E402
+from common.train.lora import LoraArgs, add_lora  # noqa: E402
 from common.train.model import load_model, read_dtypes, shard_model  # noqa: E402
 
 
@@ -60,8 +59,7 @@ def main():
     read_s, read_rss = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     dist.barrier()
     start = time.perf_counter()
-    lora = SimpleNamespace(lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_targets=None)
-    model = shard_model(add_lora(model, lora, 0), device, precision=args.precision)
+    model = shard_model(add_lora(model, LoraArgs(lora_rank=args.lora_rank), 0), device, precision=args.precision)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
