@@ -40,6 +40,7 @@ from common.rollout.split import init_placement
 from common.run.distributed import finish_distributed, sum_over_ranks
 from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
+from common.run.packages import check_packages
 from common.run.planner import plan_run
 from common.run.resume import Checkpoints
 from common.run.rundir import RunArgs, open_run_dir
@@ -164,6 +165,7 @@ def check_args(args: Args, world: int) -> None:
                  positive=["lr", "max_grad_norm", "hang_timeout", "kto_desirable_weight", "kto_undesirable_weight"],
                  non_negative=["warmup_steps", "weight_decay", "sft_weight", "ref_update_every", "eval_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
+    check_packages(args)  # a flag whose package is not installed: one line with its pip command
     check_loss_args(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
     check_lora_args(args)
     if args.online:

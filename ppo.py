@@ -38,6 +38,7 @@ from common.rollout.split import init_placement
 from common.run.distributed import finish_distributed, sum_over_ranks
 from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
+from common.run.packages import check_packages
 from common.run.planner import plan_run
 from common.run.resume import Checkpoints
 from common.run.rundir import RunArgs, open_run_dir
@@ -159,6 +160,7 @@ def check_args(args: Args, world: int) -> None:
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "entropy_coef",
                                "missing_eos_penalty", "critic_warmup_steps", "eval_every", "logprob_diff_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
+    check_packages(args)  # a flag whose package is not installed: one line with its pip command
     check_rollout_args(args, world)
     check_lora_args(args)
     check_routing_replay(args, model_config(args.model))
