@@ -34,8 +34,10 @@ from common.data.preference_source import (DatasetExamples, OnlineExamples, Refe
                                            example_logps, load_examples, response_lengths)
 from common.data.preferences import unpair
 from common.data.prompts import EvalDataArgs
-from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
-                                     fill_rollout_defaults)
+from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
+from common.rollout.reward_check import check_reward_fits
+from common.rollout.rollouts import make_rollouts
+from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
 from common.run.distributed import finish_distributed, sum_over_ranks
 from common.run.errors import check_ranges, run_main
@@ -445,9 +447,11 @@ def main(args: Args):
     # Data: offline, pairs or KTO's rows and held-out ones; prompts with answers, online and for the built-in task.
     tokenizer = load_tokenizer(args.model)
     rows, eval_rows, task_rows, eval_task_rows, notes = load_examples(args, tokenizer)
+    if task_rows is not None:  # the reward must score the data's own gold answers as correct
+        check_reward_fits(args, eval_task_rows)
     run_dir = open_run_dir("dpo", given, asdict(args), FIXED_ON_RESUME)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
-        return Rollouts.serve(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
+        return serve_rollouts(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
                               run_dir.start_step)
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
@@ -467,7 +471,7 @@ def main(args: Args):
 
     # Where examples come from: the dataset (offline) or the policy's samples, scored and paired (online); the
     # shared rollouts also give greedy task accuracy wherever prompts have answers.
-    rollouts = None if task_rows is None else Rollouts(args, placement, policy, tokenizer, task_rows, eval_task_rows,
+    rollouts = None if task_rows is None else make_rollouts(args, placement, policy, tokenizer, task_rows, eval_task_rows,
                                                        device, run_dir.path, run_dir.start_step, logger, timer)
     if args.online:
         source = OnlineExamples(rollouts, lambda samples: make_online_pairs(samples, args), reward_model, rm_tokenizer,

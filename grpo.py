@@ -27,9 +27,11 @@ from typing import Literal
 
 import torch
 
-from common.data.prompts import EvalDataArgs
-from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
-                                     fill_rollout_defaults, load_prompts, rollout_mismatch_metrics)
+from common.data.prompts import EvalDataArgs, load_prompts
+from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
+from common.rollout.reward_check import check_reward_fits
+from common.rollout.rollouts import make_rollouts
+from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
 from common.run.distributed import finish_distributed, sum_over_ranks
 from common.run.errors import check_ranges, run_main
@@ -42,7 +44,7 @@ from common.run.signals import stop_agreed
 from common.train.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
                                    share_samples_evenly)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
-                                   sample_lengths)
+                                   rollout_mismatch_metrics, sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, model_config, read_dtypes, shard_model
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
@@ -309,8 +311,9 @@ def main(args: Args):
     run_dir = open_run_dir("grpo", given, asdict(args), FIXED_ON_RESUME)
     tokenizer = load_tokenizer(args.model)
     train_rows, eval_rows, data_notes = load_prompts(args, tokenizer)
+    check_reward_fits(args, eval_rows)  # the reward must score the data's own gold answers as correct
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
-        return Rollouts.serve(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
+        return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
                               run_dir.start_step)
 
     # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer. Frozen weights are read in the
@@ -325,7 +328,7 @@ def main(args: Args):
                                 compile_layers=args.compile, precision=args.precision, packed_rows=True)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy])
-    rollouts = Rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
+    rollouts = make_rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                         run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
                               {"policy": (policy, optimizer, scheduler, args.lr)}, {"": policy},

@@ -151,7 +151,7 @@ def run_episodes_worker(rank: int, world: int, port: int, out_dir: str, env_file
     from common.data.prompts import load_train_eval, tokenize_prompts
     from common.rollout.engines import HFRolloutEngine
     from common.rollout.rewards import RewardScorer
-    from common.rollout.rollouts import sample_batch, scored_samples
+    from common.rollout.generate import sample_batch, scored_samples
     from common.train.model import load_model, load_tokenizer
 
     init_gloo(rank, world, port)

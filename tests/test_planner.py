@@ -262,7 +262,7 @@ def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monke
 
     import torch
 
-    from common.rollout.rollouts import fill_rollout_defaults
+    from common.rollout.args import fill_rollout_defaults
     from common.run import planner
     monkeypatch.setattr(planner, "_plan", None)  # what plan_run sets goes with the test
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 4e9))

@@ -341,7 +341,7 @@ def test_a_reward_that_does_not_fit_the_data_stops_the_run():
 
     import torch.distributed as dist
 
-    from common.rollout.rollouts import check_reward_fits
+    from common.rollout.reward_check import check_reward_fits
     from common.run import distributed
     distributed.use_store(dist.HashStore(), 0)
     try:

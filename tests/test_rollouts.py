@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.rollout.rollouts import Rollouts, sequences_at_once, wants_rollout_logprobs
+from common.rollout.args import sequences_at_once, wants_rollout_logprobs
+from common.rollout.rollouts import ColocatedRollouts
 from common.run.logger import StageTimer
 
 
@@ -29,9 +30,9 @@ class CountingEngine:
         return {}
 
 
-def colocated_rollouts(engine) -> Rollouts:
+def colocated_rollouts(engine) -> ColocatedRollouts:
     """The colocated sync bookkeeping of a Rollouts, without a model or data."""
-    rollouts = Rollouts.__new__(Rollouts)
+    rollouts = ColocatedRollouts.__new__(ColocatedRollouts)
     rollouts.engine, rollouts.policy, rollouts.timer = engine, None, StageTimer(torch.device("cpu"))
     rollouts.args = SimpleNamespace(check_weight_sync=False)
     rollouts.version, rollouts.synced_version = 0, -1

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.data.preferences import load_preference_rows
-from common.data.prompts import PromptSampler
-from common.rollout.rollouts import load_prompts
+from common.data.prompts import PromptSampler, load_prompts
 from common.run.distributed import sum_over_ranks
 from common.train.batching import plan_equal_micro_batches
 from common.train.logprobs import packed_response_logprobs

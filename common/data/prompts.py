@@ -371,3 +371,20 @@ class PromptSampler:
             raise ValueError(f"sampler state is for {state['num_rows']} rows but this dataset has {len(self.rows)}")
         self.epoch, self.position = state["epoch"], state["position"]
         self._permutation = self._permutation_of(self.epoch)
+
+
+def load_prompts(args, tokenizer) -> tuple[list[dict], list[dict], list[str]]:
+    """(train rows, held-out rows, notes to print): the prompts of --dataset with the answers the reward checks,
+    tokenized as the model will see them."""
+    train_rows, eval_rows = load_train_eval(args.dataset, args.prompt_key, args.answer_key, args.dataset_config,
+                                            eval_split=args.eval_split, eval_size=args.eval_size, seed=args.seed,
+                                            eval_dataset=args.eval_dataset,
+                                            eval_dataset_config=args.eval_dataset_config,
+                                            eval_dataset_split=args.eval_dataset_split)
+    formats = (args.max_prompt_len, args.chat_template, args.prompt_template, args.system_prompt)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, *formats)
+    eval_rows, eval_dropped = tokenize_prompts(eval_rows, tokenizer, *formats)
+    return train_rows, eval_rows, [
+        f"{len(train_rows)} train / {len(eval_rows)} eval prompts; dropped {dropped} / {eval_dropped} longer than "
+        f"--max-prompt-len {args.max_prompt_len}",
+        f"the first prompt, as the model sees it: {tokenizer.decode(train_rows[0]['prompt_ids'])[:400]!r}"]
