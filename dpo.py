@@ -39,15 +39,15 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
-from common.run.distributed import finish_distributed, sum_over_ranks
+from common.run.distributed import finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
 from common.run.packages import check_packages
 from common.run.planner import plan_run
-from common.run.resume import Checkpoints
-from common.run.rundir import RunArgs, open_run_dir
-from common.run.signals import stop_agreed
-from common.train.batching import plan_equal_micro_batches, share_samples_evenly
+from common.run.resume import Checkpoints, TrainedModel
+from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
+from common.run.signals import install_stop_handlers, stop_agreed
+from common.train.batching import empty_backward, plan_equal_micro_batches, share_samples_evenly
 from common.train.logprobs import model_token_mask
 from common.train.lora import LoraArgs, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, read_dtypes, shard_model
@@ -55,6 +55,14 @@ from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
 from common.train.value_models import load_reward_model
+
+
+# An example, a dict, as the update takes it, and where each key comes from:
+#   a pair (common/data/preferences.py, or make_online_pairs from the policy's samples): prompt_ids, chosen_ids,
+#     rejected_ids; online multi-turn episodes also chosen_mask, rejected_mask (the model's own tokens)
+#   KTO's unpaired row (unpair): prompt_ids, completion_ids, label (desirable or not), kl_ids (a KL partner's
+#     completion from another prompt)
+#   reference (ReferenceLogps.add_to, before the update): ref, the reference log-probs of its two sequences
 
 
 @dataclass
@@ -137,11 +145,10 @@ class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs):
 
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
-FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "chosen_key", "rejected_key", "completion_key",
-                   "eval_dataset", "eval_dataset_config", "eval_dataset_split", "label_key", "answer_key", "eval_split",
-                   "eval_size", "seed", "online", "group_size", "prompts_per_step", "pairs_per_step", "max_len",
-                   "max_prompt_len", "chat_template", "system_prompt", "prompt_template", "lora_rank", "lora_alpha",
-                   "lora_targets")
+FIXED_ON_RESUME = fixed_on_resume(Args, "model", "dataset", "dataset_config", "prompt_key", "chosen_key",
+                                  "rejected_key", "completion_key", "label_key", "eval_split", "eval_size", "online",
+                                  "group_size", "prompts_per_step", "pairs_per_step", "max_len", "max_prompt_len",
+                                  "chat_template")
 
 
 def resolve_defaults(args: Args) -> None:
@@ -362,14 +369,16 @@ def train_step(policy, optimizer, examples: list[dict], reference, args: Args, w
     # KTO's reference point z0: the step's estimate of KL(policy || reference), clamped at 0 (a number: no gradient).
     kl = max(0.0, reference.mismatched_kl(policy, examples)) if args.loss_type == "kto" else 0.0
     sums = dict.fromkeys(["loss", "sft", "examples", "correct", *SUMMED[args.loss_type == "kto"]], 0.0) | {"kl": kl}
-    for mb in plan_equal_micro_batches([example_length(e) for e in examples], args.max_tokens_per_micro_batch, device):
-        if not mb:  # this rank ran out of examples: a zero-weight pass keeps FSDP's collectives in step
-            (example_logps(policy, [])[0].sum() * 0.0).backward()
+    lengths = [example_length(e) for e in examples]
+    for indices in plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device):
+        if not indices:  # this rank ran out of examples (FSDP needs its backward all the same)
+            empty_backward(example_logps(policy, [])[0])
             continue
-        losses, nll, stats = micro_batch_losses(policy, [examples[i] for i in mb], args, device, kl)
+        losses, nll, stats = micro_batch_losses(policy, [examples[i] for i in indices], args, device, kl)
         # FSDP averages over ranks; an MoE policy's load-balancing loss (if on) is shared among its examples
         ((losses + args.sft_weight * nll + router_aux_loss(policy, 1.0)).sum() / num_examples * world).backward()
-        for key, value in {"loss": losses.sum().item(), "sft": nll.sum().item(), "examples": len(mb), **stats}.items():
+        counted = {"loss": losses.sum().item(), "sft": nll.sum().item(), "examples": len(indices), **stats}
+        for key, value in counted.items():
             sums[key] += value
     grad_norm = clip_and_step(policy, optimizer, args.max_grad_norm)  # None: NaN/inf, the step is skipped
     return {**sums, "skipped": float(grad_norm is None), "grad_norm": grad_norm or 0.0}
@@ -401,11 +410,12 @@ def evaluate(policy, reference, rows: list[dict] | None, args: Args, rank: int, 
     mine, unpaired = rows[group::groups], "label" in rows[0]
     reference.add_to(mine)
     sums = dict.fromkeys(["loss", "correct", "margin"], 0.0) | {"rows": len(mine)}
-    for mb in plan_equal_micro_batches([example_length(r) for r in mine], args.max_tokens_per_micro_batch, device):
-        if not mb:  # this rank ran out of rows: a dummy pass keeps FSDP's collectives in step
+    lengths = [example_length(r) for r in mine]
+    for indices in plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device):
+        if not indices:  # this rank ran out of rows: a dummy pass keeps FSDP's collectives in step
             example_logps(policy, [])
             continue
-        losses, _, stats = micro_batch_losses(policy, [mine[i] for i in mb], args, device,
+        losses, _, stats = micro_batch_losses(policy, [mine[i] for i in indices], args, device,
                                               loss_type="kto" if unpaired else args.loss_type.replace("kto", "sigmoid"))
         sums["loss"] += losses.sum().item()
         sums["correct"] += stats["correct"]
@@ -438,6 +448,8 @@ def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
     # Colocated or split into trainers and rollout ranks; the trainers' sequence-parallel groups and model sharding.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
+    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py)
+    quiet_libraries()  # libraries log warnings only
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
@@ -455,36 +467,41 @@ def main(args: Args):
                               run_dir.start_step)
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
-    shard = lambda model, trainable=False: shard_model(model, device, trainable and args.activation_checkpointing,
-                                                       trainable, args.compile, args.precision, packed_rows=True,
-                                                       router_aux_loss_coef=trainable * args.router_aux_loss_coef)
-    base, kept = read_dtypes(device, args.precision, args.lora_rank)  # frozen weights are read as they are kept
-    policy = shard(add_lora(load_model(args.model, tokenizer, args.seed, dtype=base), args, args.seed), trainable=True)
-    frozen = reward_model = rm_tokenizer = None
+    def shard(model, trainable: bool = False):  # FSDP2, with what every model of the run shares
+        return shard_model(model, device, activation_checkpointing=trainable and args.activation_checkpointing,
+                           trainable=trainable, compile_layers=args.compile, precision=args.precision, packed_rows=True,
+                           router_aux_loss_coef=trainable * args.router_aux_loss_coef)
+
+    trained_dtype, frozen_dtype = read_dtypes(device, args.precision, args.lora_rank)  # frozen: read as they are kept
+    policy = shard(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained_dtype), args, args.seed),
+                   trainable=True)
+    ref_model = reward_model = rm_tokenizer = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
-        frozen = policy if args.lora_rank else shard(load_model(args.model, tokenizer, args.seed, dtype=kept))
+        ref_model = policy if args.lora_rank else shard(load_model(args.model, tokenizer, args.seed,
+                                                                   dtype=frozen_dtype))
     if args.reward_model is not None:
-        reward_model, rm_tokenizer = load_reward_model(args.reward_model, kept)
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model, frozen_dtype)
         reward_model = shard(reward_model)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes + plan, [policy])
 
     # Where examples come from: the dataset (offline) or the policy's samples, scored and paired (online); the
     # shared rollouts also give greedy task accuracy wherever prompts have answers.
-    rollouts = None if task_rows is None else make_rollouts(args, placement, policy, tokenizer, task_rows, eval_task_rows,
-                                                       device, run_dir.path, run_dir.start_step, logger, timer)
+    rollouts = None if task_rows is None else make_rollouts(args, placement, policy, tokenizer, task_rows,
+                                                            eval_task_rows, device, run_dir.path, run_dir.start_step,
+                                                            logger, timer)
     if args.online:
         source = OnlineExamples(rollouts, lambda samples: make_online_pairs(samples, args), reward_model, rm_tokenizer,
                                 tokenizer, args.max_tokens_per_micro_batch, device, timer)
     else:
         source = DatasetExamples(rows, args.pairs_per_step // world, rank, world, args.seed, rollouts)
-    reference = ReferenceLogps(frozen, None, args.max_tokens_per_micro_batch, device)
-    if frozen is None and args.loss_type != "simpo" and not args.online:  # before any update: policy == reference
+    reference = ReferenceLogps(ref_model, None, args.max_tokens_per_micro_batch, device)
+    if ref_model is None and args.loss_type != "simpo" and not args.online:  # before any update: policy == reference
         with timer("reference", setup=True):
             reference.cache_from(policy, rows, eval_rows, args, rank, world, device, logger)
-    moving = {"reference": (frozen, None, None, None)} if frozen is not None and args.ref_update_every else {}
+    moving = {"reference": TrainedModel(ref_model)} if ref_model is not None and args.ref_update_every else {}
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, source,
-                              {"policy": (policy, optimizer, scheduler, args.lr), **moving}, {"": policy})
+                              TrainedModel(policy, optimizer, scheduler, args.lr), moving)
     first_eval, last_eval = map(checkpoints.resume().get, ("first_eval", "last_eval"))
     # A fresh colocated run's greedy task accuracy; in split placement the rollout ranks get their first weights.
     initial_task_eval = source.start()
@@ -504,7 +521,7 @@ def main(args: Args):
         counted = {"tokens": sum(lengths), "count": len(examples)}  # before sharing: each example once
         examples, _ = share_samples_evenly(examples, lengths, world, rank)
 
-        # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
+        # 2. Reference log-probs: cached, or from the ref_model reference (itself the policy of --ref-update-every ago).
         perf.start()
         with timer("reference"):
             reference.add_to(examples)
@@ -520,7 +537,7 @@ def main(args: Args):
             start_checked = True
         if args.ref_update_every and step % args.ref_update_every == 0:
             with timer("reference"):  # iterative DPO: the reference moves up to the current policy
-                frozen.load_state_dict(policy.state_dict())
+                ref_model.load_state_dict(policy.state_dict())
 
         # 4. Weight sync to the rollout engines (not after a stop signal on any rank: every rank saves and stops).
         stop = stop_agreed(device)

@@ -27,52 +27,45 @@ from typing import Literal
 
 import torch
 
-from common.data.prompts import EvalDataArgs, load_prompts
+from common.data.prompts import PromptDataArgs, load_prompts
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
-from common.run.distributed import finish_distributed, sum_over_ranks
+from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
 from common.run.packages import check_packages
 from common.run.planner import plan_run
-from common.run.resume import Checkpoints
-from common.run.rundir import RunArgs, open_run_dir
-from common.run.signals import stop_agreed
-from common.train.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
-                                   share_samples_evenly)
+from common.run.resume import Checkpoints, TrainedModel
+from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
+from common.run.signals import install_stop_handlers, stop_agreed
+from common.train.batching import (batching_metrics, empty_backward, mini_batches, pad_rows,
+                                   plan_equal_micro_batches, share_samples_evenly, shuffle_generator)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    rollout_mismatch_metrics, sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
 from common.train.model import load_model, load_tokenizer, model_config, read_dtypes, shard_model
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
-from common.train.sequence_parallel import data_parallel
+
+
+# A sample is one response (or one multi-turn episode) as a dict; the stage that adds each key:
+#   rollout (rollouts.next_batch): prompt_ids, response_ids, logprobs (the engine's, None on steps that do not ask
+#     for them), finished (ended at a stop token), reward, version (of the weights that generated it); with --env /
+#     --tools also response_mask (0 on observation tokens), turns, tool_calls, tool_errors, env_seconds,
+#     env_timeout; a mixture of experts with --routing-replay: routes
+#   advantages (add_group_advantages): advantage, loss_weight (0 for a group whose rewards are all equal)
+#   log-probs (step 4): old_logprobs (with one optimizer step per batch: in update_policy, from the update's own
+#     forward pass), ref_logprobs (--kl-coef above 0)
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs, RoutingReplayArgs):
-    # model and data
+class Args(RunArgs, RolloutArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingReplayArgs):
+    # model (the data flags are PromptDataArgs's, common/data/prompts.py)
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
-    dataset: str | None = None
-    """HF hub dataset, a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz), or a local directory of
-    splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the built-in task"""
-    dataset_config: str | None = None
-    """configuration name of a hub dataset or of a snapshot of one (e.g. `main` for openai/gsm8k)"""
-    prompt_key: str = "prompt"
-    """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
-    rendered by the chat template; the reward function gets its last user message)"""
-    eval_split: str = "test"
-    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
-    or a dataset without this split, holds out --eval-size rows of the training data instead"""
-    eval_size: int | None = None
-    """number of held-out prompts evaluated (the first of the eval split or of --eval-dataset); unset: 256, or a
-    tenth of the training data when they are held out of it and it has fewer than 2,560 rows"""
-    chat_template: bool | None = None
-    """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
 
     # rollout
     prompts_per_step: int = 16
@@ -120,10 +113,7 @@ class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs, RoutingReplayA
 
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
-FIXED_ON_RESUME = ("model", "dataset", "dataset_config", "prompt_key", "answer_key", "eval_split", "eval_size", "seed",
-                   "eval_dataset", "eval_dataset_config", "eval_dataset_split",
-                   "group_size", "prompts_per_step", "max_prompt_len", "chat_template", "system_prompt",
-                   "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
+FIXED_ON_RESUME = fixed_on_resume(Args, "model", "group_size", "prompts_per_step", "max_prompt_len")
 
 
 def check_args(args: Args, world: int) -> None:
@@ -142,8 +132,9 @@ def check_args(args: Args, world: int) -> None:
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
         raise ValueError(f"--num-mini-batches {args.num_mini_batches} is more than the samples per rank")
     if args.max_prompt_len + args.max_response_len > args.max_tokens_per_micro_batch:
-        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole sequence: "
-                         f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
+        longest = args.max_prompt_len + args.max_response_len
+        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole "
+                         f"sequence: --max-prompt-len + --max-response-len = {longest}")
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
@@ -212,7 +203,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on all ranks, so the
     gradient does not depend on how it is split. Samples are shuffled with `generator` each epoch (None keeps their
     order). Returns this rank's sums of the update's statistics."""
-    batch_tokens = sum_over_ranks({"t": model_tokens(samples)}, device)["t"]  # all groups
+    (batch_tokens,) = all_reduce_sum([model_tokens(samples)], device)  # all groups
     samples = [s for s in samples if s["loss_weight"] > 0]  # no signal: exact zeros in every sum, so no passes
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):  # the same count on every rank
@@ -222,30 +213,30 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
         if totals["tokens"] == 0:  # every group in this mini-batch had equal rewards, on every rank
             continue
         norm = batch_tokens / args.num_mini_batches if args.loss_agg == "all-token-mean" else totals["tokens"]
-        for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
-            mbs = [mini[i] for i in mb]
-            logprobs, entropy = packed_response_logprobs(model, mbs, args.temperature, with_entropy=True)
-            if not mbs:  # this rank ran out of samples: a zero-weight pass keeps FSDP's collectives in step
-                (logprobs[0].sum() * 0.0).backward()
+        for indices in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
+            micro = [mini[i] for i in indices]
+            logprobs, entropy = packed_response_logprobs(model, micro, args.temperature, with_entropy=True)
+            if not micro:  # this rank ran out of samples (FSDP needs its backward all the same)
+                empty_backward(logprobs[0])
                 continue
             logprobs, entropy = pad_rows(logprobs), pad_rows(entropy)  # [n, longest response]
             if one_step_per_batch(args):  # ratio 1, the log-probs' gradient; kept for rollout/logprob_diff
                 old = logprobs.detach()
-                for s, lp in zip(mbs, old.cpu()):
+                for s, lp in zip(micro, old.cpu()):
                     s["old_logprobs"] = lp[:len(s["response_ids"])]
             else:
-                old = pad_rows([s["old_logprobs"] for s in mbs]).to(device)
+                old = pad_rows([s["old_logprobs"] for s in micro]).to(device)
             # 1 on the model's own tokens of samples with signal (0 on padding and on observations of episodes)
-            mask = pad_rows([[s["loss_weight"] * m for m in model_token_mask(s)] for s in mbs]).to(device)
-            advantages = torch.tensor([[s["advantage"]] for s in mbs], device=device)  # [n, 1]
-            ref = pad_rows([s["ref_logprobs"] for s in mbs]).to(device) if "ref_logprobs" in mbs[0] else None
+            mask = pad_rows([[s["loss_weight"] * m for m in model_token_mask(s)] for s in micro]).to(device)
+            advantages = torch.tensor([[s["advantage"]] for s in micro], device=device)  # [n, 1]
+            ref = pad_rows([s["ref_logprobs"] for s in micro]).to(device) if "ref_logprobs" in micro[0] else None
             tis = None
             if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
-                tis = (old - pad_rows([s["logprobs"] for s in mbs]).to(device)).exp().clamp(max=args.tis_cap)
+                tis = (old - pad_rows([s["logprobs"] for s in micro]).to(device)).exp().clamp(max=args.tis_cap)
             token_loss, clipped, kl = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high,
                                                   ref, args.kl_coef, tis)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, norm, totals["seqs"], args.max_response_len)
-            aux = router_aux_loss(model, sum(sample_lengths(mbs)) / totals["positions"])  # MoE, if on: load balance
+            aux = router_aux_loss(model, sum(sample_lengths(micro)) / totals["positions"])  # MoE, if on: load balance
             ((loss + aux) * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
             with torch.no_grad():
                 sums["loss"] += loss.item() * world
@@ -300,6 +291,8 @@ def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
     # Colocated or split into trainers and rollout ranks; the trainers' sequence-parallel groups and model sharding.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
+    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py)
+    quiet_libraries()  # libraries log warnings only
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
@@ -318,21 +311,21 @@ def main(args: Args):
 
     # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer. Frozen weights are read in the
     # dtype they are kept in, trained ones in fp32.
-    trained, frozen = read_dtypes(device, args.precision, args.lora_rank)
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained), args, args.seed), device,
-                         args.activation_checkpointing, compile_layers=args.compile, precision=args.precision,
-                         router_aux_loss_coef=args.router_aux_loss_coef)
+    trained_dtype, frozen_dtype = read_dtypes(device, args.precision, args.lora_rank)
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained_dtype), args, args.seed),
+                         device, activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile,
+                         precision=args.precision, router_aux_loss_coef=args.router_aux_loss_coef)
     reference = None  # of the KL penalty: the frozen initial policy; with LoRA, the policy's own base (adapters off)
     if args.kl_coef > 0 and not args.lora_rank:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen), device, trainable=False,
-                                compile_layers=args.compile, precision=args.precision, packed_rows=True)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen_dtype), device,
+                                trainable=False, compile_layers=args.compile, precision=args.precision,
+                                packed_rows=True)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy])
     rollouts = make_rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
-                        run_dir.start_step, logger, timer)
+                             run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
-                              {"policy": (policy, optimizer, scheduler, args.lr)}, {"": policy},
-                              probes=[train_rows[0]["prompt"]])
+                              TrainedModel(policy, optimizer, scheduler, args.lr), probes=[train_rows[0]["prompt"]])
     checkpoints.resume()
     if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
         logger.log(0, {**initial_eval, **timer.pop()}, advance=False)
@@ -341,10 +334,7 @@ def main(args: Args):
     stop = False
     for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
-        # Seeded per step and rank (a sequence-parallel group's ranks alike: they share their samples), so a resumed
-        # run shuffles its mini-batches as an uninterrupted one would.
-        group = data_parallel(rank, world)[0]
-        generator = torch.Generator().manual_seed((args.seed * 7919 + group) * 1_000_003 + step)
+        generator = shuffle_generator(args.seed, rank, world, step)  # of the mini-batches: as a resumed run would
 
         # 1. Rollout: group_size responses per prompt, each scored by the reward as soon as its group is complete.
         generated, metrics = rollouts.next_batch(step)
@@ -358,14 +348,15 @@ def main(args: Args):
         # update's own forward pass (detached), not from a pass of their own.
         perf.start()
         with timer("logprobs"):
-            budget, kept = args.max_tokens_per_micro_batch, [s for s in samples if s["loss_weight"] > 0]
+            budget, with_signal = args.max_tokens_per_micro_batch, [s for s in samples if s["loss_weight"] > 0]
             if not one_step_per_batch(args):
-                for s, lp in zip(kept, compute_logprobs(policy, kept, budget, args.temperature, device)):
+                for s, lp in zip(with_signal, compute_logprobs(policy, with_signal, budget, args.temperature,
+                                                               device)):
                     s["old_logprobs"] = lp
             if args.kl_coef > 0:
                 with adapters_off(policy):  # with LoRA: the base model, the reference
-                    for s, lp in zip(kept, compute_logprobs(reference or policy, kept, budget, args.temperature,
-                                                            device)):
+                    for s, lp in zip(with_signal, compute_logprobs(reference or policy, with_signal, budget,
+                                                                   args.temperature, device)):
                         s["ref_logprobs"] = lp
 
         # 5. Policy update.

@@ -31,22 +31,22 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from common.data.prompts import EvalDataArgs, load_prompts
+from common.data.prompts import PromptDataArgs, load_prompts
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
-from common.run.distributed import finish_distributed, sum_over_ranks
+from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
 from common.run.packages import check_packages
 from common.run.planner import plan_run
-from common.run.resume import Checkpoints
-from common.run.rundir import RunArgs, open_run_dir
-from common.run.signals import stop_agreed
-from common.train.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
-                             share_samples_evenly)
+from common.run.resume import Checkpoints, TrainedModel
+from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
+from common.run.signals import install_stop_handlers, stop_agreed
+from common.train.batching import (batching_metrics, empty_backward, mini_batches, pad_rows,
+                                   plan_equal_micro_batches, share_samples_evenly, shuffle_generator)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    rollout_mismatch_metrics, sample_lengths)
 from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
@@ -54,35 +54,28 @@ from common.train.model import load_model, load_tokenizer, model_config, read_dt
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.offload import Offloader
 from common.train.optim import clip_and_step, make_optimizer
-from common.train.sequence_parallel import data_parallel
 from common.train.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
 
 
+# A sample is one response (or one multi-turn episode) as a dict; the stage that adds each key:
+#   rollout (rollouts.next_batch): prompt_ids, response_ids, logprobs (the engine's, None on steps that do not ask
+#     for them), finished (ended at a stop token), reward, version (of the weights that generated it); with --env /
+#     --tools also response_mask (0 on observation tokens), turns, tool_calls, tool_errors, env_seconds,
+#     env_timeout; a mixture of experts with --routing-replay: routes
+#   reward (add_scores): model_score (the reward model's, 0 without one), score (what the last token earns)
+#   values and log-probs (step 3): old_values, old_logprobs, ref_logprobs (--kl-coef above 0)
+#   advantages (add_advantages): mask (1 on the model's own tokens), raw_advantages, advantages (whitened), returns
+
+
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs, RoutingReplayArgs):
-    # model and data
+class Args(RunArgs, RolloutArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingReplayArgs):
+    # model (the data flags are PromptDataArgs's, common/data/prompts.py)
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
-    dataset: str | None = None
-    """HF hub dataset, a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz), or a local directory of
-    splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the built-in task"""
-    dataset_config: str | None = None
-    """configuration name of a hub dataset or of a snapshot of one (e.g. `main` for openai/gsm8k)"""
-    prompt_key: str = "prompt"
-    """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
-    rendered by the chat template; the reward function gets its last user message)"""
-    eval_split: str = "test"
-    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
-    or a dataset without this split, holds out --eval-size rows of the training data instead"""
-    eval_size: int | None = None
-    """number of held-out prompts evaluated (the first of the eval split or of --eval-dataset); unset: 256, or a
-    tenth of the training data when they are held out of it and it has fewer than 2,560 rows"""
     reward_model: str | None = None
     """an AutoModelForSequenceClassification checkpoint (one label) that scores each whole response, frozen"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response cut at --max-response-len (it never reached a stop token)"""
-    chat_template: bool | None = None
-    """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
 
     # rollout
     prompts_per_step: int = 64
@@ -148,10 +141,8 @@ class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs, RoutingReplayA
 
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
-FIXED_ON_RESUME = ("model", "critic_model", "reward_model", "dataset", "dataset_config", "prompt_key", "answer_key",
-                   "eval_dataset", "eval_dataset_config", "eval_dataset_split",
-                   "eval_split", "eval_size", "seed", "group_size", "prompts_per_step", "max_prompt_len",
-                   "chat_template", "system_prompt", "prompt_template", "lora_rank", "lora_alpha", "lora_targets")
+FIXED_ON_RESUME = fixed_on_resume(Args, "model", "critic_model", "reward_model", "group_size", "prompts_per_step",
+                                  "max_prompt_len")
 
 
 def check_args(args: Args, world: int) -> None:
@@ -174,8 +165,9 @@ def check_args(args: Args, world: int) -> None:
     if args.prompts_per_step * args.group_size // world < args.num_mini_batches:
         raise ValueError(f"--num-mini-batches {args.num_mini_batches} is more than the samples per rank")
     if args.max_prompt_len + args.max_response_len > args.max_tokens_per_micro_batch:
-        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole sequence: "
-                         f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len}")
+        longest = args.max_prompt_len + args.max_response_len
+        raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole "
+                         f"sequence: --max-prompt-len + --max-response-len = {longest}")
 
 
 @torch.no_grad()
@@ -250,10 +242,11 @@ def explained_variance(values, returns, mask) -> float:
 
 def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
     """Per-token rewards: -kl_coef * KL on every response token, plus the score on each row's last real token, where
-    the episode ends (at EOS or at the length limit; in a multi-turn episode, the model's last token). scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq].
-    The KL is k1, logprobs - ref_logprobs, as in Ouyang et al.: summed over a sampled response it is an unbiased
-    estimate of the sequence's KL, which the return carries back to every earlier token. ref_logprobs None: no KL
-    term (kl is zeros). Returns (rewards, kl), both [batch, seq], 0 on padding."""
+    the episode ends (at EOS or at the length limit; in a multi-turn episode, the model's last token).
+    scores: [batch]; mask, logprobs, ref_logprobs: [batch, seq]. The KL is k1, logprobs - ref_logprobs, as in
+    Ouyang et al.: summed over a sampled response it is an unbiased estimate of the sequence's KL, which the return
+    carries back to every earlier token. ref_logprobs None: no KL term (kl is zeros).
+    Returns (rewards, kl), both [batch, seq], 0 on padding."""
     kl = torch.zeros_like(mask) if ref_logprobs is None else torch.where(mask > 0, logprobs - ref_logprobs, 0.0)
     rewards = -kl_coef * kl
     positions = torch.arange(mask.shape[1], device=mask.device)
@@ -269,9 +262,10 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     rewards, values, mask: [batch, seq]; values[:, t] is V of the state before response token t. Backwards from
     the end: delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where V and A after
     the last real token are 0. A padded position leaves the running V_{t+1} and A_{t+1} as they were, so nothing of
-    it reaches a real token. The observation tokens of a multi-turn episode (mask 0, common/rollout/episodes.py) are not
-    actions and are skipped the same way: the model's last token before an observation bootstraps from V at its
-    first token after it, the state that includes the observation, with one step of discount. Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding."""
+    it reaches a real token. The observation tokens of a multi-turn episode (mask 0, common/rollout/episodes.py) are
+    not actions and are skipped the same way: the model's last token before an observation bootstraps from V at its
+    first token after it, the state that includes the observation, with one step of discount.
+    Returns (advantages, returns = advantages + values), both [batch, seq], 0 on padding."""
     real = mask > 0  # torch.where, not multiplying by the mask: a NaN in a padded value stays out too
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])  # [batch]
@@ -337,16 +331,16 @@ def update_critic(critic, optimizer, samples: list[dict], args: Args, world: int
     """Clipped value regression towards the returns, one optimizer step per mini-batch; returns this rank's sums."""
     sums = dict.fromkeys(["value_loss", "value_clipfrac", "critic_tokens", "critic_grad_norm", "critic_steps"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
-        num_tokens = sum_over_ranks({"t": model_tokens(mini)}, device)["t"]
-        for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
-            mbs = [mini[i] for i in mb]
-            values = packed_values(critic, mbs)
-            if not mbs:  # this rank ran out of samples: a zero-weight pass keeps FSDP's collectives in step
-                (values[0].sum() * 0.0).backward()
+        (num_tokens,) = all_reduce_sum([model_tokens(mini)], device)
+        for indices in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
+            micro = [mini[i] for i in indices]
+            values = packed_values(critic, micro)
+            if not micro:  # this rank ran out of samples (FSDP needs its backward all the same)
+                empty_backward(values[0])
                 continue
-            values, mask = pad_rows(values), padded(mbs, "mask", device)
-            token_loss, clipped = value_loss(values, padded(mbs, "old_values", device), padded(mbs, "returns", device),
-                                             args.value_clip)
+            values, mask = pad_rows(values), padded(micro, "mask", device)
+            token_loss, clipped = value_loss(values, padded(micro, "old_values", device),
+                                             padded(micro, "returns", device), args.value_clip)
             loss = token_mean_share(token_loss, mask, num_tokens)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
             sums["value_loss"] += loss.item() * world
@@ -364,25 +358,25 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     sums = dict.fromkeys(["policy_loss", "clipfrac", "approx_kl", "entropy", "policy_tokens", "grad_norm",
                           "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
-        totals = sum_over_ranks({"t": model_tokens(mini), "positions": sum(sample_lengths(mini))}, device)
-        num_tokens = totals["t"]  # (positions: every token the routers of an MoE policy route)
-        for mb in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
-            mbs = [mini[i] for i in mb]
-            logprobs, entropy = packed_response_logprobs(policy, mbs, args.temperature, with_entropy=True)
-            if not mbs:
-                (logprobs[0].sum() * 0.0).backward()
+        # The model's tokens, and every token the routers of an MoE policy route.
+        num_tokens, positions = all_reduce_sum([model_tokens(mini), sum(sample_lengths(mini))], device)
+        for indices in plan_equal_micro_batches(sample_lengths(mini), args.max_tokens_per_micro_batch, device):
+            micro = [mini[i] for i in indices]
+            logprobs, entropy = packed_response_logprobs(policy, micro, args.temperature, with_entropy=True)
+            if not micro:
+                empty_backward(logprobs[0])
                 continue
-            logprobs, entropy, mask = pad_rows(logprobs), pad_rows(entropy), padded(mbs, "mask", device)
-            old, advantages = padded(mbs, "old_logprobs", device), padded(mbs, "advantages", device)
+            logprobs, entropy, mask = pad_rows(logprobs), pad_rows(entropy), padded(micro, "mask", device)
+            old, advantages = padded(micro, "old_logprobs", device), padded(micro, "advantages", device)
             token_loss, clipped = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high)
             if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
-                token_loss = token_loss * (old - padded(mbs, "logprobs", device)).exp().clamp(max=args.tis_cap)
+                token_loss = token_loss * (old - padded(micro, "logprobs", device)).exp().clamp(max=args.tis_cap)
             token_loss = token_loss - args.entropy_coef * entropy
-            if args.kl_in_loss and "ref_logprobs" in mbs[0]:
-                delta = padded(mbs, "ref_logprobs", device) - logprobs
+            if args.kl_in_loss and "ref_logprobs" in micro[0]:
+                delta = padded(micro, "ref_logprobs", device) - logprobs
                 token_loss = token_loss + args.kl_coef * (delta.exp() - delta - 1)  # k3, always >= 0
             loss = token_mean_share(token_loss, mask, num_tokens)
-            aux = router_aux_loss(policy, sum(sample_lengths(mbs)) / totals["positions"])  # MoE, if on: load balance
+            aux = router_aux_loss(policy, sum(sample_lengths(micro)) / positions)  # MoE, if on: load balance
             ((loss + aux) * world).backward()
             with torch.no_grad():
                 log_ratio = logprobs - old
@@ -467,6 +461,8 @@ def main(args: Args):
     given = asdict(args)  # as on the command line: they name the run (common/run/rundir.py)
     # Colocated or split into trainers and rollout ranks; the trainers' sequence-parallel groups and model sharding.
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
+    install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py)
+    quiet_libraries()  # libraries log warnings only
     resolve_defaults(args)
     check_args(args, placement.num_trainers)
     plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
@@ -486,19 +482,21 @@ def main(args: Args):
     # value head trained in full); the frozen reference (with LoRA: the policy's own base) and reward model.
     # Frozen weights are read in the dtype they are kept in, trained ones in fp32.
     shard = dict(compile_layers=args.compile, precision=args.precision)
-    trained, frozen = read_dtypes(device, args.precision, args.lora_rank)
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained), args, args.seed), device,
-                         args.activation_checkpointing, router_aux_loss_coef=args.router_aux_loss_coef, **shard)
-    critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed, trained), args,
-                                  args.seed, heads=("score",)),
-                         device, args.activation_checkpointing, packed_rows=True, **shard)  # (never generates)
+    trained_dtype, frozen_dtype = read_dtypes(device, args.precision, args.lora_rank)
+    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained_dtype), args, args.seed),
+                         device, activation_checkpointing=args.activation_checkpointing,
+                         router_aux_loss_coef=args.router_aux_loss_coef, **shard)
+    critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed, trained_dtype),
+                                  args, args.seed, heads=("score",)),
+                         device, activation_checkpointing=args.activation_checkpointing, packed_rows=True,
+                         **shard)  # (never generates)
     reference = reward_model = rm_tokenizer = None
     if args.kl_coef > 0 and not args.lora_rank:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen), device, False, False,
-                                packed_rows=True, **shard)
+        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen_dtype), device,
+                                trainable=False, packed_rows=True, **shard)
     if args.reward_model is not None:
-        reward_model, rm_tokenizer = load_reward_model(args.reward_model, frozen)
-        reward_model = shard_model(reward_model, device, False, False, packed_rows=True, **shard)
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model, frozen_dtype)
+        reward_model = shard_model(reward_model, device, trainable=False, packed_rows=True, **shard)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
                                                         args.adam_beta2)
@@ -507,11 +505,11 @@ def main(args: Args):
 
     logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy, critic])
     rollouts = make_rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
-                        run_dir.start_step, logger, timer)
+                             run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
-                              {"policy": (policy, optimizer, scheduler, args.lr),
-                               "critic": (critic, critic_optimizer, critic_scheduler, args.critic_lr)},
-                              {"": policy, "critic": critic}, probes=[train_rows[0]["prompt"]],
+                              TrainedModel(policy, optimizer, scheduler, args.lr),
+                              more={"critic": TrainedModel(critic, critic_optimizer, critic_scheduler, args.critic_lr)},
+                              export_more={"critic": critic}, probes=[train_rows[0]["prompt"]],
                               on_gpu=lambda: offload.on_gpu(critic, critic_optimizer, optimizer))
     checkpoints.resume()
     if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
@@ -521,10 +519,7 @@ def main(args: Args):
     stop = False
     for step in range(run_dir.start_step + 1, args.steps + 1):
         step_start = timer.start_step(step)
-        # Seeded per step and rank (a sequence-parallel group's ranks alike: they share their samples), so a resumed
-        # run shuffles its mini-batches as an uninterrupted one would.
-        group = data_parallel(rank, world)[0]
-        generator = torch.Generator().manual_seed((args.seed * 7919 + group) * 1_000_003 + step)
+        generator = shuffle_generator(args.seed, rank, world, step)  # of the mini-batches: as a resumed run would
 
         # 1. Rollout: group_size responses per prompt, each with its rule reward.
         generated, metrics = rollouts.next_batch(step)

@@ -226,7 +226,8 @@ def bench_shape(shape: str, args, device) -> dict:
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = add_lora(model, args, seed=0)
-    model = shard_model(model, device, args.activation_checkpointing, precision=args.precision)
+    model = shard_model(model, device, activation_checkpointing=args.activation_checkpointing,
+                        precision=args.precision)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     results = {"num_params": sum(p.numel() for p in model.parameters()),
                "trained_params": flop_weighted_params([model])[0]}

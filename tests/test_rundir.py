@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from common.run import distributed
-from common.run.rundir import clear_run, compare_flags, default_run_name, describe_run, open_run_dir
+from common.run.rundir import (clear_run, compare_flags, default_run_name, describe_run, fixed_on_resume,
+                               open_run_dir)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIVEN = {"dataset": None, "seed": 1, "lr": None, "group_size": 16, "steps": 200, "eval_every": 25, "run_name": None,
@@ -129,3 +130,25 @@ def test_a_live_run_holds_its_directory(tmp_path):
         holder.kill()
         holder.wait()
     assert open_run_dir("grpo", {**GIVEN, "output_dir": str(out)}, {}, ()).resume_from is None
+
+
+def test_the_flags_fixed_on_resume_are_the_script_s_own_and_each_shared_class_s():
+    """Each shared flag class names its own; a script adds its flags. Every class's names arrive once, in order."""
+    @dataclasses.dataclass
+    class Shared:
+        a: int = 0
+        fixed_on_resume = ("a",)
+
+    @dataclasses.dataclass
+    class Other:
+        b: int = 0
+        fixed_on_resume = ("b", "a")
+
+    @dataclasses.dataclass
+    class Script(Shared, Other):
+        c: int = 0
+
+    assert fixed_on_resume(Script, "c", "model") == ("c", "model", "a", "b")
+    import grpo  # the LoRA, data, rollout and run flags reach a script's list through its Args' classes
+    assert {"lora_rank", "lora_targets", "dataset", "eval_dataset_split", "answer_key", "seed", "model"} <= \
+        set(grpo.FIXED_ON_RESUME)

@@ -33,6 +33,33 @@ class EvalDataArgs:
     eval_dataset_split: str = "test"
     """split of --eval-dataset to evaluate on (a local file has none: all of its rows)"""
 
+    fixed_on_resume = ("eval_dataset", "eval_dataset_config", "eval_dataset_split")  # flags a resumed run keeps
+
+
+@dataclass
+class PromptDataArgs(EvalDataArgs):
+    """The prompt data's flags of the scripts that sample responses to prompts (grpo.py, ppo.py; dpo.py reads pairs
+    and has its own): each such script's Args extends it."""
+    dataset: str | None = None
+    """HF hub dataset, a local .jsonl/.json/.parquet/.csv (also compressed: .jsonl.gz), or a local directory of
+    splits (train.jsonl and test.jsonl, a hub snapshot's data/ shards, or save_to_disk's); unset: the built-in task"""
+    dataset_config: str | None = None
+    """configuration name of a hub dataset or of a snapshot of one (e.g. `main` for openai/gsm8k)"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt: a string, or a conversation (a list of {"role", "content"} messages,
+    rendered by the chat template; the reward function gets its last user message)"""
+    eval_split: str = "test"
+    """split to evaluate on, of a hub dataset or a local directory (training takes its "train" split); a local file,
+    or a dataset without this split, holds out --eval-size rows of the training data instead"""
+    eval_size: int | None = None
+    """number of held-out prompts evaluated (the first of the eval split or of --eval-dataset); unset: 256, or a
+    tenth of the training data when they are held out of it and it has fewer than 2,560 rows"""
+    chat_template: bool | None = None
+    """wrap prompts in the tokenizer's chat template; unset: when the tokenizer has one"""
+
+    fixed_on_resume = (*EvalDataArgs.fixed_on_resume, "dataset", "dataset_config", "prompt_key", "eval_split",
+                       "eval_size", "chat_template")
+
 
 def _first_line(error: Exception) -> str:
     """Library errors can run to pages; one line of them is enough to say what went wrong."""

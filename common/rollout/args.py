@@ -92,6 +92,8 @@ class RolloutArgs:
     """with --env / --tools: seconds one environment call (a reset, or a step with the tools it runs) may take; a
     slower one is stopped (its process killed), its episode ends with reward 0 and is counted (episode/env_timeouts)"""
 
+    fixed_on_resume = ("answer_key", "system_prompt", "prompt_template")  # flags a resumed run keeps
+
 
 def default_response_len(args) -> int:
     """--max-response-len unset: 2 tokens for the built-in task (one number, then anything), 6 for its multi-turn

@@ -35,12 +35,13 @@ def sample_batch(engine, scorer: RewardScorer, multi_turn: MultiTurn | None, tok
                  step: int) -> list[list]:
     """generate_and_score for the batch of `step`: --group-size responses per prompt, sampled (with --env /
     --tools: --group-size episodes per prompt, common/rollout/episodes.py)."""
+    seed, logprobs = args.seed * 1_000_003 + step, wants_rollout_logprobs(args, step)  # the step's sampling
     try:
         if multi_turn is not None:
-            return multi_turn.sample(engine, prompts, args.seed * 1_000_003 + step, wants_rollout_logprobs(args, step))
+            return multi_turn.sample(engine, prompts, seed, logprobs)
         return generate_and_score(engine, scorer, tokenizer, prompts, n=args.group_size,
                                   max_tokens=args.max_response_len, temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed * 1_000_003 + step, logprobs=wants_rollout_logprobs(args, step))
+                                  seed=seed, logprobs=logprobs)
     except NonFiniteLogits as e:
         cause = "the initial weights are broken" if step == 1 else \
             f"the updates so far broke them: a learning rate too high (--lr {args.lr:g}) is the likely cause"

@@ -26,8 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.run.distributed import init_distributed, launch_store, quiet_libraries, use_store
-from common.run.signals import install_stop_handlers
+from common.run.distributed import init_distributed, launch_store, use_store
 from common.train.model import init_sharding
 from common.train.sequence_parallel import init_sequence_parallel
 from sharding.vllm_sync import buckets, hf_name, num_bytes
@@ -60,9 +59,8 @@ def init_placement(num_rollout: int, sequence_parallel: int = 1,
                    shard_size: int | None = None) -> tuple[Placement, torch.device]:
     """Collective over every process torchrun started: with num_rollout 0 one world where every rank trains and
     generates; else the split worlds below. The training ranks form sequence-parallel groups of `sequence_parallel`
-    (common/train/sequence_parallel.py) and shard models within groups of `shard_size` (common/train/model.py's init_sharding).
-    Then SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py), and libraries log warnings
-    only."""
+    (common/train/sequence_parallel.py) and shard models within groups of `shard_size` (common/train/model.py's
+    init_sharding)."""
     if num_rollout:
         placement, device = init_split(num_rollout)
     else:
@@ -71,8 +69,6 @@ def init_placement(num_rollout: int, sequence_parallel: int = 1,
     if placement.trains:
         init_sequence_parallel(sequence_parallel)
         init_sharding(shard_size, device)
-    install_stop_handlers()
-    quiet_libraries()
     return placement, device
 
 

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -300,23 +301,33 @@ def resolve_resume(spec: str, output_dir: str) -> str | None:
     return spec
 
 
-class Checkpoints:
-    """A trainer's saves and its resume, the same in every script. `models` maps a name to (model, optimizer,
-    scheduler, lr) for every model the state holds: "policy" first, then e.g. PPO's "critic" or DPO's moving
-    "reference" (optimizer, scheduler and lr None). `exports` maps a subdirectory of hf_step_<step>/ to a model
-    exported in HF format ("": the policy). `on_gpu()`: a context that brings offloaded models in while they are
-    saved or loaded. A script calls `resume()` once everything is built (last, so that the restored random streams
-    are the ones the loop continues with), `export()` before a step's row is logged and `save()` after it: a
-    training state never exists without its row."""
+class TrainedModel(NamedTuple):
+    """A model a training state holds, with what trains it (a frozen one that moves, such as DPO's iteratively
+    updated reference, has no optimizer, scheduler or learning rate)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: object = None
+    lr: float | None = None
 
-    def __init__(self, args, run_dir, logger, timer, tokenizer, data, models: dict, exports: dict,
+
+class Checkpoints:
+    """A trainer's saves and its resume, the same in every script. The state holds `policy` and the models of `more`
+    by name (PPO's "critic", DPO's moving "reference"); the policy is exported in HF format to hf_step_<step>/, and
+    the models of `export_more` to the subdirectories they are named by. `on_gpu()`: a context that brings offloaded
+    models in while they are saved or loaded. A script calls `resume()` once everything is built (last, so that the
+    restored random streams are the ones the loop continues with), `export()` before a step's row is logged and
+    `save()` after it: a training state never exists without its row."""
+
+    def __init__(self, args, run_dir, logger, timer, tokenizer, data, policy: TrainedModel,
+                 more: dict[str, TrainedModel] | None = None, export_more: dict[str, torch.nn.Module] | None = None,
                  probes: list[str] | None = None, on_gpu=contextlib.nullcontext):
         self.args, self.run_dir, self.logger, self.timer, self.tokenizer = args, run_dir, logger, timer, tokenizer
-        self.data, self.models, self.exports = data, models, exports
+        self.data, self.models = data, [policy, *(more or {}).values()]
+        self.exports = {"": policy.model, **(export_more or {})}  # subdirectory of hf_step_<step>/ -> model
         self.bad_steps = BadStepCounter(args.max_bad_steps)  # saved with the state: a resumed run counts on
         self.probes, self.on_gpu = probes, on_gpu
-        (self.policy, self.optimizer, self.scheduler, _), *more = models.values()
-        self.more = {name: model[:3] for name, model in list(models.items())[1:]} or None
+        self.policy, self.optimizer, self.scheduler = policy.model, policy.optimizer, policy.scheduler
+        self.more = {name: trained[:3] for name, trained in more.items()} if more else None
 
     def resume(self) -> dict:
         """Restores the newest state (if the run directory chose one) and returns its extras ({} for a fresh run).
@@ -326,7 +337,7 @@ class Checkpoints:
             return {}
         with self.on_gpu():
             info = load_training_state(path, self.policy, self.optimizer, self.scheduler, self.data, self.more)
-        for model, optimizer, scheduler, lr in self.models.values():
+        for model, optimizer, scheduler, lr in self.models:
             if optimizer is not None:
                 set_hyperparameters(optimizer, scheduler, lr, self.args.weight_decay)
         self.bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]

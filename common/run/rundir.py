@@ -101,6 +101,16 @@ class RunArgs:
     wandb_project: str = "nanorl"
     """W&B project"""
 
+    fixed_on_resume = ("seed",)  # flags a resumed run keeps: see fixed_on_resume below
+
+
+def fixed_on_resume(args_class: type, *own: str) -> tuple[str, ...]:
+    """The flags a resumed run cannot change, whose saved state (weights, optimizer, data position) would mean nothing
+    with another value: the script's `own` and those each shared flag class it extends names in its
+    `fixed_on_resume`."""
+    shared = [name for base in args_class.__mro__ for name in vars(base).get("fixed_on_resume", ())]
+    return tuple(dict.fromkeys([*own, *shared]))
+
 
 @dataclass
 class RunDir:

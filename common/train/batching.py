@@ -114,6 +114,21 @@ def mini_batches(samples: list, epochs: int, num_mini_batches: int, generator: t
             yield [samples[i] for i in part.tolist()]
 
 
+def empty_backward(output: torch.Tensor) -> None:
+    """The backward of a rank with no samples in this micro-batch (plan_equal_micro_batches gives every rank the same
+    count, and one may run out): a zero-weight pass over an empty batch's output, so that it joins FSDP's
+    collectives in step with the others and adds nothing to the gradients."""
+    (output.sum() * 0.0).backward()
+
+
+def shuffle_generator(seed: int, rank: int, world: int, step: int) -> torch.Generator:
+    """The generator mini_batches shuffles a step's samples with: seeded per step and data-parallel group (a
+    sequence-parallel group's ranks alike: they share their samples), so a resumed run shuffles as an uninterrupted
+    one would."""
+    group = data_parallel(rank, world)[0]
+    return torch.Generator().manual_seed((seed * 7919 + group) * 1_000_003 + step)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Collectives: moving samples between ranks and agreeing on the micro-batch count.
 

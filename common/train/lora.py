@@ -57,6 +57,8 @@ class LoraArgs:
     export_merged: bool = False
     """with LoRA: each HF export also holds the adapters merged into the base, a full model, in hf_step_N/merged"""
 
+    fixed_on_resume = ("lora_rank", "lora_alpha", "lora_targets")  # flags a resumed run keeps
+
 
 def check_lora_args(args) -> None:
     """One line for LoRA flags that cannot work (before any model is loaded)."""

@@ -232,7 +232,7 @@ def sharding_mesh():
     return _mesh
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, activation_checkpointing: bool = False,
+def shard_model(model: torch.nn.Module, device: torch.device, *, activation_checkpointing: bool = False,
                 trainable: bool = True, compile_layers: bool = False, precision: str = "bf16",
                 packed_rows: bool = False, router_aux_loss_coef: float = 0.0) -> torch.nn.Module:
     """FSDP2: each decoder layer is its own all-gather unit, then the root (embeddings, final norm, head), over every
