@@ -20,13 +20,9 @@ import shlex
 import signal
 import statistics
 import subprocess
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from scripts.bench_vs_trl import read_metrics  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -45,6 +41,12 @@ def parse_args(argv=None):
     if len(args.variants) != len(args.variant):
         p.error("two --variant share a name")
     return args
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a run directory's metrics.jsonl."""
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def run_summary(rows: list[dict], last: int) -> dict:

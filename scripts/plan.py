@@ -28,8 +28,7 @@ from common.run.planner import FIT, GPUS, Setup, Shape, describe, memory, step_t
 def shape_named(name: str) -> Shape:
     from transformers import LlamaConfig
 
-    from scripts.bench_train import LLAMA_SHAPES
-    from scripts.random_model import MOE_SHAPES, SHAPES, model_config
+    from scripts.random_model import LLAMA_SHAPES, MOE_SHAPES, SHAPES, model_config
     if name in ("smollm2", "135m"):
         return Shape.from_config(LlamaConfig(**LLAMA_SHAPES["135m"]))  # SmolLM2-135M's sizes
     if name not in SHAPES and name not in MOE_SHAPES:

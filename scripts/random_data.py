@@ -4,7 +4,7 @@
     python scripts/random_data.py pairs --rows 1344 --out /tmp/pairs.jsonl                         # dpo.py (offline)
 
 prompts: rows {"prompt", "answer"}, every prompt exactly --prompt-len tokens (the answer is a placeholder: these runs
-score responses with a hash reward, as scripts/gpu_checks.sh writes one). pairs: rows {"prompt", "chosen",
+score responses with a hash reward, as tests/tools/gpu_checks.sh writes one). pairs: rows {"prompt", "chosen",
 "rejected"} whose token lengths are drawn like HH-RLHF harmless-base's, the pairs dpo.py trains on in the dpo-hh
 recipe. Measured on its 2,308 usable test pairs with SmolLM2's tokenizer, as dpo.py tokenizes them (the prompt is the
 dialogue up to the last "Assistant:", each response ends in EOS, which dpo.py appends when absent), percentiles:

@@ -28,6 +28,9 @@ SHAPES = {
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
+# Llama architectures: SmolLM2-135M's (benchmarks/bench_train.py trains it; scripts/plan.py's --shape smollm2).
+LLAMA_SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5)}
 # Mixture-of-experts architectures (sharding/vllm_moe.py maps both into vLLM): experts, experts per token, and each
 # expert's MLP size (moe_intermediate_size in Qwen3-MoE, intermediate_size in OLMoE). Parameters in all / active.
 MOE_SHAPES = {

@@ -27,11 +27,11 @@
 #   grpo-calculator    grpo.py --tools calculator on 3-digit x 2-digit multiplication, 32 prompts x 8 episodes of up to
 #                      3 turns, lr 1e-5, 40 steps; MODEL=<calculator-warmup's OUT>/hf_step_30
 #   grpo-calculator-none  the same questions and settings without the tool (the baseline, from SmolLM2 itself)
-#   bench-episodes     scripts/bench_episodes.py: multi-turn rollouts (4 turns of 128 tokens) against single-turn ones
+#   bench-episodes     benchmarks/bench_episodes.py: multi-turn rollouts (4 turns of 128 tokens) against single-turn ones
 #                      (512 tokens), generated tokens per second
-#   vs-trl-grpo        scripts/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
-#   vs-trl-dpo         scripts/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
-#   vs-trl-kto         scripts/bench_vs_trl.py kto: ours (dpo.py --loss-type kto) and TRL's KTOTrainer on the dpo-hh
+#   vs-trl-grpo        benchmarks/bench_vs_trl.py grpo: ours and TRL's GRPOTrainer (GPUs: $GPUS, default 0)
+#   vs-trl-dpo         benchmarks/bench_vs_trl.py dpo: ours and TRL's DPOTrainer on the dpo-hh settings
+#   vs-trl-kto         benchmarks/bench_vs_trl.py kto: ours (dpo.py --loss-type kto) and TRL's KTOTrainer on the dpo-hh
 #                      data and settings, each pair a desirable and an undesirable row (32 rows a step, one epoch)
 #
 # At the scripts' defaults SmolLM2 trains in fp32 on both sides (--precision auto: under 0.3B parameters; dpo-hh, offline,
@@ -89,12 +89,12 @@ case $recipe in
                    --output-dir "$out" "$@" ;;
   grpo-calculator-none) python scripts/make_multiplication.py questions --out /tmp/multiplication.jsonl
                    exec "${run[@]}" grpo.py "${multiplication[@]}" --output-dir "$out" "$@" ;;
-  bench-episodes) exec "${run[@]}" scripts/bench_episodes.py --model "$model" --out "$out" "$@" ;;
-  vs-trl-grpo) exec python scripts/bench_vs_trl.py grpo --model "$model" --data "$data/addition/train.jsonl" \
+  bench-episodes) exec "${run[@]}" benchmarks/bench_episodes.py --model "$model" --out "$out" "$@" ;;
+  vs-trl-grpo) exec python benchmarks/bench_vs_trl.py grpo --model "$model" --data "$data/addition/train.jsonl" \
                    --gpus "${GPUS:-0}" --out "$out" "$@" ;;
-  vs-trl-dpo)    exec python scripts/bench_vs_trl.py dpo --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
+  vs-trl-dpo)    exec python benchmarks/bench_vs_trl.py dpo --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
                    --out "$out" "$@" ;;
-  vs-trl-kto)    exec python scripts/bench_vs_trl.py kto --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
+  vs-trl-kto)    exec python benchmarks/bench_vs_trl.py kto --model "$model" --data "$hh" --gpus "${GPUS:-0}" \
                    --out "$out" "$@" ;;
   *) echo "error: unknown recipe $recipe (see the list at the top of $0)" >&2; exit 2 ;;
 esac

@@ -100,10 +100,10 @@ def test_a_crashing_environment_stops_the_run_naming_sample_and_turn(tmp_path):
                      r"broken env \(env.py:\d+\)", result.stdout + result.stderr)
 
 
-def test_the_readme_environment_runs_as_written(tmp_path):
-    """The README's complete environment (guess the number), copied from it, trains on the built-in task."""
-    readme = open(f"{ROOT}/README.md").read()
-    code = readme.split("a complete one:\n\n```python\n", 1)[1].split("```", 1)[0]
+def test_the_docs_environment_runs_as_written(tmp_path):
+    """docs/agents.md's complete environment (guess the number), copied from it, trains on the built-in task."""
+    page = open(f"{ROOT}/docs/agents.md").read()
+    code = page.split("a complete one:\n\n```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "guess.py").write_text(code)
     result = torchrun([*TINY, "--env", "guess.py:make_env", "--max-turns", "3", "--max-response-len", "6",
                        "--output-dir", str(tmp_path / "run")], tmp_path)

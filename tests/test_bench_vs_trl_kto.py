@@ -1,4 +1,4 @@
-"""scripts/bench_vs_trl.py kto: TRL gets the very rows ours trains on, step by step (ours' pairs split into a
+"""benchmarks/bench_vs_trl.py kto: TRL gets the very rows ours trains on, step by step (ours' pairs split into a
 desirable and an undesirable row, the pairs ours drops left out, in the order ours' sampler draws them), and the
 held-out preference accuracy computed for TRL's model is ours' definition (a padded batch == one sequence at a time ==
 the log-probs summed by hand; a tie counts as wrong). With TRL installed, its worker runs two steps on a tiny model."""
@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_vs_trl import (kto_rows, ours_command, pair_logps, parse_args, preference_metrics,  # noqa: E402
                           trl_command)
-from random_data import pair_rows  # noqa: E402
-from random_model import save_random_model  # noqa: E402
+from scripts.random_data import pair_rows  # noqa: E402
+from scripts.random_model import save_random_model  # noqa: E402
 
 import dpo
 from common.data.preferences import load_preference_rows, tokenize_pairs
@@ -136,7 +136,7 @@ def test_trl_worker_two_steps(model_dir, data, tmp_path):
     loss is 1 - sigmoid(0) = 0.5 and held-out accuracy is 0 before training (every margin a tie)."""
     pytest.importorskip("trl")
     out = tmp_path / "bench"
-    command = [sys.executable, str(ROOT / "scripts" / "bench_vs_trl.py"), "kto", "--model", model_dir, "--data", data,
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_trl.py"), "kto", "--model", model_dir, "--data", data,
                "--out", str(out), "--eval-size", str(EVAL_SIZE), "--pairs-per-step", str(PAIRS_PER_STEP),
                "--max-len", str(MAX_LEN), "--trl-micro-batch", "4", "--steps", "2", "--eval-every", "1",
                "--lr", "1e-3", "--only", "trl"]

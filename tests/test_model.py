@@ -366,7 +366,7 @@ def test_a_rank_that_built_another_model_than_rank_0_loaded_stops_every_rank(tmp
 
 
 def test_bench_load_reports_the_whole_model_read_by_rank_0(tmp_path):
-    """scripts/bench_load.py on 2 CPU ranks: its parameter count is the checkpoint's plus LoRA's adapters (derived
+    """benchmarks/bench_load.py on 2 CPU ranks: its parameter count is the checkpoint's plus LoRA's adapters (derived
     from the shapes: r x (in + out) for each of the 7 projections of each layer), read in fp32 on CPU."""
     import json
     import subprocess
@@ -383,7 +383,7 @@ def test_bench_load_reports_the_whole_model_read_by_rank_0(tmp_path):
     full_vocab_tokenizer(512).save_pretrained(tmp_path / "model")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             os.path.join(root, "scripts", "bench_load.py"), "--model", str(tmp_path / "model"),
+                             os.path.join(root, "benchmarks", "bench_load.py"), "--model", str(tmp_path / "model"),
                              "--lora-rank", "4", "--out", str(tmp_path / "load.json")],
                             capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""scripts/slurm_grpo.sh under a real one-node Slurm (scripts/start_slurm.sh starts it; .ci/run does, as root):
+"""scripts/slurm_grpo.sh under a real one-node Slurm (tests/tools/start_slurm.sh starts it; .ci/run does, as root):
 a time limit's USR1 saves the step the run is on and requeues the job, which resumes; `scancel` saves the step and
 the same sbatch continues; a killed training process is restarted by torchrun inside the job. Each signal reaches
 the run at a step fixed by a hand-shake (a crash point that waits for the test), never after a sleep.
@@ -24,8 +24,8 @@ RUN = ["--steps", "5", "--prompts-per-step", "8", "--group-size", "4", "--eval-s
 @pytest.fixture(scope="module", autouse=True)
 def slurm():
     if shutil.which("sbatch") is None and os.geteuid() != 0:
-        pytest.skip("no Slurm here, and only root can install and start one (scripts/start_slurm.sh)")
-    started = subprocess.run(["bash", os.path.join(ROOT, "scripts", "start_slurm.sh")], capture_output=True,
+        pytest.skip("no Slurm here, and only root can install and start one (tests/tools/start_slurm.sh)")
+    started = subprocess.run(["bash", os.path.join(ROOT, "tests", "tools", "start_slurm.sh")], capture_output=True,
                              text=True, timeout=600)
     if started.returncode != 0:
         pytest.skip(f"could not start a one-node Slurm: {(started.stderr or started.stdout).strip()[-300:]}")
@@ -81,7 +81,7 @@ def test_time_limit_saves_the_step_and_requeues(tmp_path):
     job = submit(tmp_path, {"NANORL_TEST_CRASH": f"update:3:rank=0:until={tmp_path / 'go'}"})
     stop_at_step_3(tmp_path, job, lambda: subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True))
     wait_until(lambda: job_field(job, "Restarts") == "1", "the requeue")
-    # Slurm holds a requeued job until its credential expires (scripts/start_slurm.sh: 10 s), then runs it again.
+    # Slurm holds a requeued job until its credential expires (tests/tools/start_slurm.sh: 10 s), then runs it again.
     assert wait_for_state(job, ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", log_of(tmp_path, job)[-3000:]
     log = log_of(tmp_path, job)
     saved, restarted = log.find("SIGTERM: saved the training state at step 3"), log.find("(restart 1)")

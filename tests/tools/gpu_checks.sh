@@ -1,45 +1,45 @@
 #!/usr/bin/env bash
 # The GPU runs that prove the colocated vLLM path (see benchmarks/README.md for their results).
-#   bash scripts/gpu_checks.sh one OUTDIR [GPU_A GPU_B]  # GPU tests, grpo 1 GPU on GPU_A; bench_rollout and
+#   bash tests/tools/gpu_checks.sh one OUTDIR [GPU_A GPU_B]  # GPU tests, grpo 1 GPU on GPU_A; bench_rollout and
 #                                                        # 1-GPU weight-sync benches on GPU_B (both default 0)
-#   bash scripts/gpu_checks.sh two OUTDIR [GPUS]         # grpo TP=2 and TP=1 x 2 replicas, 2-GPU sync benches
-#   bash scripts/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
-#   bash scripts/gpu_checks.sh 7b OUTDIR GPUS TP         # grpo at the 7B shape, FSDP over GPUS, vLLM TP=TP: 10 steps
+#   bash tests/tools/gpu_checks.sh two OUTDIR [GPUS]         # grpo TP=2 and TP=1 x 2 replicas, 2-GPU sync benches
+#   bash tests/tools/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
+#   bash tests/tools/gpu_checks.sh 7b OUTDIR GPUS TP         # grpo at the 7B shape, FSDP over GPUS, vLLM TP=TP: 10 steps
 #                                                        # with every sync checked, device memory sampled each second
-#   bash scripts/gpu_checks.sh ppo-sync OUTDIR [GPUS]    # ppo.py 20 steps at grpo_1gpu's settings, every sync checked
+#   bash tests/tools/gpu_checks.sh ppo-sync OUTDIR [GPUS]    # ppo.py 20 steps at grpo_1gpu's settings, every sync checked
 #                                                        # (GPUS a list such as 0,1: FSDP over them, a replica on each)
-#   bash scripts/gpu_checks.sh ppo-verl OUTDIR [GPU]     # ppo.py at verl's published PPO shape: 256 prompts of 1024
+#   bash tests/tools/gpu_checks.sh ppo-verl OUTDIR [GPU]     # ppo.py at verl's published PPO shape: 256 prompts of 1024
 #                                                        # tokens, 512 new, compiled vLLM; tokens/s end to end, by stage
-#   bash scripts/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
-#   bash scripts/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 0, 1, 2, 1 on one
+#   bash tests/tools/gpu_checks.sh ppo OUTDIR [GPU]          # both of those, one after the other (about 10 minutes)
+#   bash tests/tools/gpu_checks.sh levels OUTDIR [GPU]       # grpo_1gpu's run at vLLM sleep levels 0, 1, 2, 1 on one
 #                                                        # machine (12 steps each): does a level change anything but
 #                                                        # the sleep and the sync?
 #                                                        # BASELINE=DIR adds an older checkout's grpo.py at level 1
-#   bash scripts/gpu_checks.sh lora OUTDIR [GPU]         # LoRA: the GPU tests of both --lora-sync ways, then
-#                                                        # scripts/bench_lora.py at the 7B shape, merged and adapter
+#   bash tests/tools/gpu_checks.sh lora OUTDIR [GPU]         # LoRA: the GPU tests of both --lora-sync ways, then
+#                                                        # benchmarks/bench_lora.py at the 7B shape, merged and adapter
 #                                                        # (BENCH_FLAGS: e.g. --eager)
-#   bash scripts/gpu_checks.sh lora-7b OUTDIR [GPU]      # grpo.py --lora-rank 32 at the 7B shape on one GPU, colocated
+#   bash tests/tools/gpu_checks.sh lora-7b OUTDIR [GPU]      # grpo.py --lora-rank 32 at the 7B shape on one GPU, colocated
 #                                                        # vLLM, 256 samples of 512-1,024 tokens a step: memory, time
-#   bash scripts/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
+#   bash tests/tools/gpu_checks.sh dpo OUTDIR [GPUS]         # dpo.py offline at the 1.5B shape, pairs of HH-RLHF's lengths:
 #                                                        # tokens/s and MFU per step, and the reference log-probs' cost
 #                                                        # (SHAPE=7b SCRATCH=/dev/shm ... dpo OUT 0,1: 7B over 2 GPUs)
-#   bash scripts/gpu_checks.sh long OUTDIR [GPUS]        # grpo.py at the 1.5B shape (LONG_SHAPE), long-tailed responses of mean ~2k
+#   bash tests/tools/gpu_checks.sh long OUTDIR [GPUS]        # grpo.py at the 1.5B shape (LONG_SHAPE), long-tailed responses of mean ~2k
 #                                                        # tokens capped at 8,192, 16 prompts x 8, at the defaults: the
 #                                                        # planner's start-up choice, tokens/s, MFU, memory, stages;
 #                                                        # then --no-activation-checkpointing with 64k-token micro-
 #                                                        # batches: the one-line out-of-memory report (RUNS="run"
 #                                                        # or "oom": one of them; EXTRA: e.g. --sequence-parallel 2;
 #                                                        # LIMIT: seconds for the run, TAG: a suffix for its name)
-#   bash scripts/gpu_checks.sh train-long OUTDIR [GPUS] [SP]  # bench_train.py at the 7B shape on single sequences
+#   bash tests/tools/gpu_checks.sh train-long OUTDIR [GPUS] [SP]  # bench_train.py at the 7B shape on single sequences
 #                                                        # of 8k-64k tokens (LENGTHS), with and without activation
 #                                                        # checkpointing (CHECKPOINTING="off on"), full fine-tuning
 #                                                        # and LoRA rank 32 (LORA="0 32"),
 #                                                        # --sequence-parallel SP (default 1) over GPUS
-#   bash scripts/gpu_checks.sh hsdp OUTDIR [GPUS]        # grpo at SHAPE (1.5b for issue 41) over GPUS (default 0,1),
+#   bash tests/tools/gpu_checks.sh hsdp OUTDIR [GPUS]        # grpo at SHAPE (1.5b for issue 41) over GPUS (default 0,1),
 #                                                        # 6 steps replicated (--shard-size 1) and sharded (--shard-size
 #                                                        # N), every sync checked; then the sharded run's state of step 3
 #                                                        # resumed replicated: steps 4-6 beside the uninterrupted run's
-#   bash scripts/gpu_checks.sh moe OUTDIR [GPUS]         # grpo at a mixture-of-experts shape (MOE_SHAPE, default
+#   bash tests/tools/gpu_checks.sh moe OUTDIR [GPUS]         # grpo at a mixture-of-experts shape (MOE_SHAPE, default
 #                                                        # olmoe-1b-4b: 3.7B total, 1.3B active; olmoe-1b-7b's full
 #                                                        # fine-tuning does not fit one GPU), full fine-tuning,
 #                                                        # colocated vLLM, every sync checked, the same seed without
@@ -49,7 +49,7 @@
 #                                                        # (MOE_SHAPE=qwen3-30b-a3b EXTRA="--lora-rank 32
 #                                                        # --activation-checkpointing": the 30B shape with LoRA;
 #                                                        # LIMIT: seconds a run, TAG: a suffix for the names)
-#   bash scripts/gpu_checks.sh preempt OUTDIR [GPUS]     # issue 41's stops and restarts, grpo split over 2 GPUs (one
+#   bash tests/tools/gpu_checks.sh preempt OUTDIR [GPUS]     # issue 41's stops and restarts, grpo split over 2 GPUs (one
 #                                                        # trains, one generates with vLLM a step ahead): SIGTERM to
 #                                                        # every process during an update, then during generation,
 #                                                        # each relaunched with the same command; and torchrun
@@ -62,10 +62,10 @@
 # mode's (0.5b; 1.5b for dpo), and EXTRA holds flags appended to the ppo.py/dpo.py commands (the last of a flag wins);
 # together they make a CPU smoke test of those modes' commands and summaries, a few minutes each:
 #   SHAPE=tiny EXTRA="--rollout-engine hf --steps 3 --prompts-per-step 4 --max-response-len 8 --eval-size 4" \
-#     bash scripts/gpu_checks.sh ppo /tmp/smoke
-#   SHAPE=tiny EXTRA="--steps 3 --pairs-per-step 8 --eval-size 8" bash scripts/gpu_checks.sh dpo /tmp/smoke
+#     bash tests/tools/gpu_checks.sh ppo /tmp/smoke
+#   SHAPE=tiny EXTRA="--steps 3 --pairs-per-step 8 --eval-size 8" bash tests/tools/gpu_checks.sh dpo /tmp/smoke
 #   SHAPE=tiny EXTRA="--rollout-engine hf --prompts-per-step 4 --max-response-len 8 --eval-size 4" \
-#     bash scripts/gpu_checks.sh preempt /tmp/smoke
+#     bash tests/tools/gpu_checks.sh preempt /tmp/smoke
 set -u
 mode=$1; out=$2; mkdir -p "$out"
 EXTRA=${EXTRA:-}
@@ -96,7 +96,7 @@ count() {  # count GPUS: how many GPUs a list such as 0,1 names
 
 sync() {  # sync SHAPE TP GPUS: the weight-sync bench
   local n; n=$(count "$3")
-  run sync_$1_${n}gpu_tp$2 150 "$3" torchrun --standalone --nproc_per_node "$n" scripts/bench_sync.py --shape "$1" --tp "$2" \
+  run sync_$1_${n}gpu_tp$2 150 "$3" torchrun --standalone --nproc_per_node "$n" benchmarks/bench_sync.py --shape "$1" --tp "$2" \
     --out "$out/sync_$1_${n}gpu_tp$2.json"
 }
 
@@ -142,7 +142,7 @@ if [ "$mode" = one ]; then
   a=${3:-0}; b=${4:-0}
   ( run gpu_tests 240 $a python3 -m pytest -m gpu tests/test_gpu.py tests/test_logprobs.py -q -rs -s -p no:cacheprovider
     run grpo_1gpu 240 $a torchrun --standalone --nproc_per_node 1 $GRPO --rollout-eager --output-dir /tmp/g1_$mode ) &
-  ( run bench_rollout 300 $b torchrun --standalone --nproc_per_node 1 scripts/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
+  ( run bench_rollout 300 $b torchrun --standalone --nproc_per_node 1 benchmarks/bench_rollout.py --out "$out/rollout_0.5b_1gpu.json"
     for s in 0.5b 1.5b 7b; do sync $s 1 $b; done ) &
   wait
 elif [ "$mode" = levels ]; then
@@ -192,7 +192,7 @@ fi
 if [ "$mode" = lora ]; then
   run gpu_tests_lora 400 ${3:-0} python3 -m pytest -m gpu tests/test_gpu.py -k lora -q -rs -s -p no:cacheprovider
   for m in merged adapter; do
-    run lora_bench_$m 330 ${3:-0} torchrun --standalone --nproc_per_node 1 scripts/bench_lora.py \
+    run lora_bench_$m 330 ${3:-0} torchrun --standalone --nproc_per_node 1 benchmarks/bench_lora.py \
       --model /tmp/qwen7b_stop1000 --mode $m ${BENCH_FLAGS:-} --out "$out/lora_bench_$m.json"
   done
 fi
@@ -253,7 +253,7 @@ if [ "$mode" = long ]; then
   ls=${LONG_SHAPE:-1.5b}
   [ -d /tmp/qwen${ls}_stop2000 ] || python3 scripts/random_model.py --shape $ls --stop-every 2000 \
     --out /tmp/qwen${ls}_stop2000 || exit 1
-  python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_async; print(bench_async.REWARD)" \
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_async; print(bench_async.REWARD)" \
     > /tmp/long_reward.py || exit 1
   g=${3:-0}; n=$(count "$g")
   LONG="grpo.py --model /tmp/qwen${ls}_stop2000 --reward-fn /tmp/long_reward.py:reward --skip-reward-check
@@ -279,7 +279,7 @@ if [ "$mode" = train-long ]; then
     for checkpointing in ${CHECKPOINTING:-off on}; do
       ac=$([ "$checkpointing" = on ] && echo --activation-checkpointing)
       name=train_7b_long_${n}gpu_sp${sp}_lora${lora}${ac:+_ac}
-      run $name 300 $g torchrun --standalone --nproc_per_node "$n" scripts/bench_train.py --shapes 7b --modes packed \
+      run $name 300 $g torchrun --standalone --nproc_per_node "$n" benchmarks/bench_train.py --shapes 7b --modes packed \
         --num-samples 1 --steps ${STEPS:-2} --lengths ${LENGTHS:-8192 16384 32768 65536} --sequence-parallel "$sp" \
         --lora-rank "$lora" $ac --out "$out/$name.json"
       grep -E "^7b packed" "$out/$name.log" | cut -c1-260
@@ -352,14 +352,14 @@ if [ "$mode" = preempt ]; then
     if [ "$case" = kill9 ]; then
       launch preempt_kill9 NANORL_TEST_CRASH=update:3:rank=0:once torchrun --standalone --nproc_per_node 2 \
         --max-restarts 1 $PREEMPT --steps 4 --save-state-every 2 --output-dir "$dir" $EXTRA
-      python3 scripts/preempt_check.py restart preempt_kill9 "$dir" "$out" 4 2 | tee "$out/preempt_${case}_summary.txt"
+      python3 tests/tools/preempt_check.py restart preempt_kill9 "$dir" "$out" 4 2 | tee "$out/preempt_${case}_summary.txt"
     else
       launch preempt_${case}_stopped NANORL_TEST_SIGNAL=$case:3 torchrun --standalone --nproc_per_node 2 $PREEMPT \
         --steps 5 --save-state-every 0 --output-dir "$dir" $EXTRA
-      python3 scripts/preempt_check.py facts "$dir" > "$out/preempt_${case}_stopped.json"
+      python3 tests/tools/preempt_check.py facts "$dir" > "$out/preempt_${case}_stopped.json"
       launch preempt_${case}_resumed torchrun --standalone --nproc_per_node 2 $PREEMPT --steps 5 --save-state-every 0 \
         --output-dir "$dir" $EXTRA
-      python3 scripts/preempt_check.py stop preempt_$case "$dir" "$out" 5 | tee "$out/preempt_${case}_summary.txt"
+      python3 tests/tools/preempt_check.py stop preempt_$case "$dir" "$out" 5 | tee "$out/preempt_${case}_summary.txt"
     fi
     cp "$dir/metrics.jsonl" "$out/preempt_${case}_metrics.jsonl" 2>/dev/null; rm -rf "$dir"  # states: 6 GB each
   done

@@ -1,5 +1,5 @@
 # The script behind benchmarks/results/rollout_profile_smollm2_gsm8k_1xh200/ (run as a copy in the repo root at commit f7cb38b: `torchrun --standalone --nproc_per_node 1 prof_rollout.py --dtype bfloat16 --out r_bf16`, then `--dtype float32 --variants ours steps tprof cprof --out r_fp32`): where the colocated engine's rollout time goes on SmolLM2-135M-Instruct and 32 GSM8K prompts x 8, up to 512 tokens.
-# Now: `torchrun --standalone --nproc_per_node 1 scripts/prof_rollout.py ...` from the repo root.
+# Now: `torchrun --standalone --nproc_per_node 1 dev/prof_rollout.py ...` from the repo root.
 import argparse, cProfile, functools, gc, io, json, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from pathlib import Path

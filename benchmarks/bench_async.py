@@ -15,9 +15,9 @@ time (1.0: the step is as long as its longer phase, perfect overlap). Step 1 is 
 last step that pushes weights is steps-2 (no batch needs version steps-1), so steps-1 would not wait for the
 rollout ranks and its wait would land in the final step, which also saves.
 
-    python scripts/bench_async.py --gpus 2 --shape 0.5b --out benchmarks/results/async_0.5b_2gpu.json
-    python scripts/bench_async.py --gpus 2 --shape 0.5b --runs colocated  # some of the runs
-    python scripts/bench_async.py --gpus 2 --shape 0.5b --report-only --steps 6 --work DIR  # re-read finished runs
+    python benchmarks/bench_async.py --gpus 2 --shape 0.5b --out benchmarks/results/async_0.5b_2gpu.json
+    python benchmarks/bench_async.py --gpus 2 --shape 0.5b --runs colocated  # some of the runs
+    python benchmarks/bench_async.py --gpus 2 --shape 0.5b --report-only --steps 6 --work DIR  # re-read finished runs
 """
 
 import argparse

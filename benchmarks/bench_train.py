@@ -8,11 +8,11 @@ advantage-weighted token-mean loss, backward, AdamW. Both modes see the same bat
 - packed: micro-batches of at most --max-tokens tokens packed into one row each (common/train/batching.py): varlen
   attention, the LM head in chunks on the response positions only;
 - padded: --padded-micro-batch samples per micro-batch in arrival order, right-padded to their longest, sdpa with a
-  padding mask and full float32 logits (common/model.token_logprobs): the naive step.
+  padding mask and full float32 logits (common/train/model.token_logprobs): the naive step.
 - synced: packed, reading five statistics of each micro-batch back to the host (`.item()`), as the training loops
   of grpo.py, ppo.py and dpo.py do: what a host sync per micro-batch costs.
 - compiled: packed, with each decoder layer's forward and the LM head's per-chunk math torch.compiled
-  (common/model.compile_model, what --compile does); the log-probs of a few samples before and after compiling
+  (common/train/model.compile_model, what --compile does); the log-probs of a few samples before and after compiling
   are compared. compiled_layers: the decoder layers compiled, the head eager (runs before compiled).
 Reports tokens/s (prompt + response tokens), MFU (6 x parameters x tokens / time / peak), padding fraction and peak
 memory for each, as JSON to --out; --profile writes a torch.profiler summary of one step per mode.
@@ -26,10 +26,10 @@ ranks see the same batches; tokens/s and MFU are per GPU); --lora-rank R trains 
 which is the same for every N (same weights, same batch), and an MFU that also counts attention's FLOPs
 (6 x layers x hidden x length^2 per causal sequence, hidden = heads x head size, forward and backward), which at 32k is no longer small.
 
-    python scripts/bench_train.py --out benchmarks/results/train_packing_1gpu.json
-    python scripts/bench_train.py --tiny        # CPU smoke test, seconds
-    torchrun --nproc_per_node 2 scripts/bench_train.py --shapes 7b --modes compiled --max-tokens 8192
-    torchrun --nproc_per_node 2 scripts/bench_train.py --shapes 7b --lengths 16384 32768 --sequence-parallel 2 \
+    python benchmarks/bench_train.py --out benchmarks/results/train_packing_1gpu.json
+    python benchmarks/bench_train.py --tiny        # CPU smoke test, seconds
+    torchrun --nproc_per_node 2 benchmarks/bench_train.py --shapes 7b --modes compiled --max-tokens 8192
+    torchrun --nproc_per_node 2 benchmarks/bench_train.py --shapes 7b --lengths 16384 32768 --sequence-parallel 2 \
         --activation-checkpointing --num-samples 1 --modes packed
 """
 
@@ -53,11 +53,8 @@ from common.train.logprobs import packed_token_logprobs, use_packed_attention  #
 from common.train.lora import add_lora, flop_weighted_params  # noqa: E402
 from common.train.model import compile_model, shard_model, token_logprobs  # noqa: E402
 from common.train.sequence_parallel import init_sequence_parallel, sequence_parallel_size  # noqa: E402
-from scripts.random_model import SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402
+from scripts.random_model import LLAMA_SHAPES, SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402
 
-# Besides Qwen2.5's architectures and a tiny one for CPU smoke tests (scripts/random_model.py): SmolLM2-135M's.
-LLAMA_SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5)}
 # Defaults that fit one 80 GB H100 without activation checkpointing (7b: two H200s, peak 114 GB each): the packed token
 # budget, and the padded baseline's samples per micro-batch (its full float32 logits over 4k-token rows are what runs
 # out first).

@@ -8,7 +8,7 @@ both stay resident, so each gets less memory than in the colocated loop). Measur
 speedup = sequential / overlapped. The rule we set: keep overlap on one GPU in grpo.py only if speedup >= 1.2
 for the 0.5B shape; otherwise record the numbers (benchmarks/README.md) and leave it out.
 
-    torchrun --nproc_per_node 1 scripts/bench_overlap.py --out benchmarks/results/overlap_0.5b_1gpu.json
+    torchrun --nproc_per_node 1 benchmarks/bench_overlap.py --out benchmarks/results/overlap_0.5b_1gpu.json
 """
 
 import argparse

@@ -8,7 +8,7 @@ Only the generate call is timed; every response is exactly --new-tokens long (ig
 in-loop / standalone shows what sleeping, syncing and sharing the GPU with the trainer cost the rollout.
 --standalone-only skips the trainer entirely (the engine keeps its dummy weights): a plain vLLM baseline.
 
-    torchrun --nproc_per_node 1 scripts/bench_rollout.py --out benchmarks/results/rollout_0.5b_1gpu.json
+    torchrun --nproc_per_node 1 benchmarks/bench_rollout.py --out benchmarks/results/rollout_0.5b_1gpu.json
 """
 
 import argparse

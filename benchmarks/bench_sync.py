@@ -13,8 +13,8 @@ The time of an iteration is the slowest rank's; the report gives medians per lev
 in-loop sync = wake + transfer, as the training loop logs it), their ratio to the pure transfer, and the check of
 the last sync at every level (check_weight_sync).
 
-    torchrun --nproc_per_node 1 scripts/bench_sync.py --shape 0.5b --tp 1 --out benchmarks/results/sync_0.5b_1gpu.json
-    torchrun --nproc_per_node 4 scripts/bench_sync.py --shape 7b --tp 2 --out benchmarks/results/sync_7b_4gpu_tp2.json
+    torchrun --nproc_per_node 1 benchmarks/bench_sync.py --shape 0.5b --tp 1 --out benchmarks/results/sync_0.5b_1gpu.json
+    torchrun --nproc_per_node 4 benchmarks/bench_sync.py --shape 7b --tp 2 --out benchmarks/results/sync_7b_4gpu_tp2.json
 """
 
 import argparse

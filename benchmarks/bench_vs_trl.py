@@ -1,9 +1,9 @@
 """Side by side with TRL: our script and TRL's trainer on the same model, data, reward, batch, learning rate and
 lengths, with step time and learning curves of both.
 
-    python scripts/bench_vs_trl.py grpo --model /tmp/smollm2 --data addition.jsonl --gpus 0,1 --seeds 1 2 3 --out OUT
-    python scripts/bench_vs_trl.py dpo --model /tmp/smollm2 --data harmless-base-test.jsonl.gz --gpus 0 --out OUT
-    python scripts/bench_vs_trl.py kto --model /tmp/smollm2 --data harmless-base-test.jsonl.gz --gpus 0 --out OUT
+    python benchmarks/bench_vs_trl.py grpo --model /tmp/smollm2 --data addition.jsonl --gpus 0,1 --seeds 1 2 3 --out OUT
+    python benchmarks/bench_vs_trl.py dpo --model /tmp/smollm2 --data harmless-base-test.jsonl.gz --gpus 0 --out OUT
+    python benchmarks/bench_vs_trl.py kto --model /tmp/smollm2 --data harmless-base-test.jsonl.gz --gpus 0 --out OUT
 
 With two GPUs (--gpus 0,1) each seed runs ours on the first and TRL on the second at the same time, so both see
 the same host load; with one, they run one after the other. Each side writes a metrics.jsonl with the same metric
@@ -37,6 +37,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from scripts.ablate import read_metrics  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -359,11 +361,6 @@ def trl_command(args, seed: int, out: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------- report
-def read_metrics(path: str) -> list[dict]:
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def summarise(rows: list[dict]) -> dict:
     steps = [r["time/step"] for r in rows if "time/step" in r and r["step"] > 1]  # step 1 holds compile warm-ups
     curves = {k: [(r["step"], r[k]) for r in rows if k in r]

@@ -1,6 +1,6 @@
 """Where the in-loop sync's wake-up goes, and what reordering it could save (scratch profile, one GPU).
 
-torchrun --standalone --nproc_per_node 1 scripts/prof_wake.py SHAPE GPU_MEMORY ITERS OUT.json   (from the repo root; run
+torchrun --standalone --nproc_per_node 1 dev/prof_wake.py SHAPE GPU_MEMORY ITERS OUT.json   (from the repo root; run
 as a copy in the repo root for benchmarks/results/sync_level0_kv_sized_1xh200/profile_wake_*.json)
 
 Variants on one engine (level-2 sleep unless said): "current" the sync as update_weights made it before level 0, each
@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/, scripts/ and sharding/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # bench_sync.py
+from bench_sync import build_policy, save_config
 from common.rollout.vllm_engine import VLLMRolloutEngine
 from common.run.distributed import init_distributed
-from scripts.bench_sync import build_policy, save_config
 from scripts.random_model import qwen2_config
 from sharding.vllm_sync import buckets, num_bytes, trainer_weights
 

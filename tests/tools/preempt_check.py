@@ -1,4 +1,4 @@
-"""The checks of `bash scripts/gpu_checks.sh preempt` (issue 41): a run stopped or killed on purpose, then continued.
+"""The checks of `bash tests/tools/gpu_checks.sh preempt` (issue 41): a run stopped or killed on purpose, then continued.
 Each case prints one PASS/FAIL line with its evidence, from the launches' logs and exit codes in OUTDIR and the run
 directory they shared.
 
@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 from common.run.resume import latest_checkpoint, read_trainer_state  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Where do the rollout engine's and the trainer's log-probs part? Per-token log-probs of the same sampled tokens
 under several numerical settings, each compared with an fp32 forward pass of the same weights.
 
-    python scripts/bench_mismatch.py --model /tmp/smollm2 --data addition.jsonl --prompts 32 --out mismatch.json
+    python benchmarks/bench_mismatch.py --model /tmp/smollm2 --data addition.jsonl --prompts 32 --out mismatch.json
 
 Responses are sampled by vLLM when installed and on a GPU, once per --vllm-dtypes entry, with its own log-probs of
 them (else by the model's own generate). Then each setting scores every sample's tokens:
@@ -11,7 +11,7 @@ them (else by the model's own generate). Then each setting scores every sample's
   bf16+fp32_head  bf16, but the final norm and LM head in fp32
   bf16+fp32_norm  bf16, but every RMSNorm in fp32
   trainer         the training path itself: FSDP2 (bf16 compute over fp32 weights on a GPU), packed rows with the
-                  varlen attention kernel, the LM head in chunks (common/logprobs.compute_logprobs)
+                  varlen attention kernel, the LM head in chunks (common/train/logprobs.compute_logprobs)
   trainer_fp32    the same with --precision fp32 (FSDP2 computing in fp32, sdpa attention)
 Reported per sampling run: the mean absolute difference per token from fp32 and from that vLLM run's log-probs, so
 a setting that closes most of the gap points at the stage that opens it, and vLLM in float32 shows what running

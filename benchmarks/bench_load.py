@@ -4,7 +4,7 @@ add_lora and shard_model spread it over the ranks' devices, as grpo.py does at s
 and the sharding, each rank's peak resident memory (ru_maxrss), the host's peak memory in use (MemTotal -
 MemAvailable, sampled every 0.1 s on rank 0: every rank and everything else on the host) and each GPU's peak.
 
-    torchrun --nproc_per_node 2 scripts/bench_load.py --model /tmp/qwen3-30b-a3b --lora-rank 32 --out load.json
+    torchrun --nproc_per_node 2 benchmarks/bench_load.py --model /tmp/qwen3-30b-a3b --lora-rank 32 --out load.json
 """
 
 import argparse

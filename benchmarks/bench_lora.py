@@ -13,8 +13,8 @@ base and adapters); decoding --prompts x --group-size sequences of exactly --tok
 warm-up); and the mean |log-prob difference| between vLLM and the trainer on the sampled tokens of --compare of them.
 
     python scripts/random_model.py --shape 7b --out /tmp/qwen7b
-    torchrun --nproc_per_node 1 scripts/bench_lora.py --model /tmp/qwen7b --mode merged --out merged.json
-    torchrun --nproc_per_node 1 scripts/bench_lora.py --model /tmp/qwen7b --mode adapter --out adapter.json
+    torchrun --nproc_per_node 1 benchmarks/bench_lora.py --model /tmp/qwen7b --mode merged --out merged.json
+    torchrun --nproc_per_node 1 benchmarks/bench_lora.py --model /tmp/qwen7b --mode adapter --out adapter.json
 """
 
 import argparse

@@ -4,7 +4,7 @@
 # all its CPUs, no GPUs, jobs requeueable), and starts munged, slurmctld and slurmd. Needs root. Idempotent: a
 # Slurm already answering is left as it is.
 #
-#   sudo bash scripts/start_slurm.sh && sinfo
+#   sudo bash tests/tools/start_slurm.sh && sinfo
 set -euo pipefail
 
 if sinfo --noheader >/dev/null 2>&1 && [ "$(sinfo --noheader --format=%t | head -1)" = idle ] \

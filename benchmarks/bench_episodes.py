@@ -7,7 +7,7 @@ through `run_turns` (common/rollout/episodes.py) with the environments in their 
 Both count generated tokens only (not the observations); the ratio multi / single is what the multi-turn machinery
 costs: the environment round trips, the observations' prefill, and turns that wait for their observation.
 
-    torchrun --nproc_per_node 1 scripts/bench_episodes.py --model /tmp/smollm2 \\
+    torchrun --nproc_per_node 1 benchmarks/bench_episodes.py --model /tmp/smollm2 \\
         --out benchmarks/results/episodes_smollm2_1xh100.json
 """
 
