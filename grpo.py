@@ -12,7 +12,7 @@ Training runs under FSDP2 on packed token-budget micro-batches; rollouts come fr
 model itself (HF generate) on CPU, on every rank (colocated, the default) or on `--rollout-ranks K` ranks of their
 own (split placement), which with `--async-rollout` generate the next batch while the trainers train on this one,
 one update behind, corrected by truncated importance sampling (`--tis-cap`). Where samples come from is
-common/rollout/rollouts.py's business; this file is the algorithm. A mixture-of-experts policy trains the same way
+common/rollout/'s business; this file is the algorithm. A mixture-of-experts policy trains the same way
 (common/train/moe.py: expert-load metrics, --router-aux-loss-coef, --routing-replay). Left out on purpose: DAPO's
 dynamic sampling (refilling the batch with informative groups), overlong reward shaping.
 

@@ -81,7 +81,7 @@ def read_dtypes(device: torch.device, precision: str, lora_rank: int) -> tuple[t
     """(the policy's, a frozen model's) dtype to read a checkpoint in. A frozen model (a reference, a reward model, a
     LoRA run's base) is read in the dtype shard_model keeps it in: the compute dtype on a GPU, fp32 on CPU. Read in
     fp32 and cast later, rank 0 would first hold twice the memory: a 30B LoRA run's host peaked at 239 GB of 270 that
-    way, against 61.8 GB read in bf16 (scripts/bench_load.py). A policy trained in full is read in fp32, its master
+    way, against 61.8 GB read in bf16 (benchmarks/bench_load.py). A policy trained in full is read in fp32, its master
     weights' dtype."""
     frozen = compute_dtype(precision) if device.type == "cuda" else torch.float32
     return frozen if lora_rank else torch.float32, frozen
@@ -244,7 +244,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, *, activation_chec
     (read_dtypes reads them in it).
     trainable=False freezes the whole model; True keeps each parameter's requires_grad (common/train/lora.py sets them).
     compile_layers: see compile_model. packed_rows: the model only ever runs packed rows (use_packed_attention): any
-    model but a policy that also generates with HF's generate (common/rollout/rollouts.py switches that one itself).
+    model but a policy that also generates with HF's generate (common/rollout/engines.py switches that one itself).
     A mixture-of-experts model gets hooks on its routers (common/train/moe.py: metrics, routing replay, and the
     load-balancing loss weighted router_aux_loss_coef).
     """
