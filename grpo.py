@@ -32,7 +32,7 @@ from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, 
                                      fill_rollout_defaults, load_prompts, rollout_mismatch_metrics)
 from common.rollout.split import init_placement
 from common.run.distributed import finish_distributed, sum_over_ranks
-from common.run.errors import check_ranges, run_main
+from common.run.cli import check_ranges, run_main
 from common.run.logger import start_logging
 from common.run.packages import check_packages
 from common.run.planner import plan_run

@@ -37,7 +37,7 @@ from common.rollout.tools import check_sandbox
 from common.rollout.vllm_engine import check_kv_width
 from common.run.distributed import (all_reduce_sum, decided_by_rank0, finish_distributed, max_over_ranks,
                                 raise_on_all_ranks)
-from common.run.errors import check_ranges
+from common.run.cli import check_ranges
 from common.run.logger import StageTimer
 from common.run.perf import memory_in_use
 from common.run.signals import install_stop_handlers, request_stop, stop_agreed, stop_requested

@@ -42,6 +42,8 @@ Mixtures of experts: common/run/shapes.py says how their parameters, activations
 import math
 from dataclasses import dataclass, replace
 
+from common.run import errors
+from common.run.cli import given_on_command_line
 from common.run.perf import PEAK_BF16_FLOPS
 from common.run.response_lengths import response_lengths
 from common.run.shapes import Shape
@@ -379,7 +381,6 @@ def plan_run(args, world: int, device) -> list[str]:
     it. Memory and time are both at the worst case, every response as long as its limit: right for memory, an upper
     bound for the step (the step line says so). On CPU there is nothing to plan."""
     global _plan
-    from common.run.errors import given_on_command_line
     if device.type != "cuda":
         return []
     import torch
@@ -423,3 +424,10 @@ def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
         line += "; would fit with: " + ("; ".join(flag for flag, _ in found) if found else
                                         "no single flag: more GPUs, or a smaller model")
     return line
+
+
+def start_up_out_of_memory_report(error: BaseException) -> str:
+    return out_of_memory_report("start-up", 0, error)
+
+
+errors.on_out_of_memory(start_up_out_of_memory_report)  # what common/run/errors.py prints for one at start-up

@@ -37,7 +37,7 @@ def _handle(signum, frame) -> None:
     if _received is not None:  # the same request again (Slurm and torchrun both pass SIGTERM on): already stopping
         return
     _received = name
-    if errors._launch_rank() == 0 and _announce:
+    if errors.launch_rank() == 0 and _announce:
         _write(f"{name}: finishing this step, then saving and stopping (Ctrl-C twice stops at once, without saving)")
 
 
