@@ -31,12 +31,12 @@ from common.data.prompts import EvalDataArgs
 from common.rollout.rollouts import (RolloutArgs, Rollouts, check_rollout_args, default_response_len,
                                      fill_rollout_defaults, load_prompts, rollout_mismatch_metrics)
 from common.rollout.split import init_placement
-from common.run.distributed import finish_distributed, sum_over_ranks
 from common.run.cli import check_ranges, run_main
+from common.run.distributed import finish_distributed, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
-from common.run.planner import plan_run
 from common.run.resume import Checkpoints
+from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, open_run_dir
 from common.run.signals import stop_agreed
 from common.train.batching import (batching_metrics, mini_batches, pad_rows, plan_equal_micro_batches,
