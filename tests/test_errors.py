@@ -29,7 +29,7 @@ def test_user_errors_are_one_line_bugs_keep_their_traceback(monkeypatch):
 def test_the_first_rank_to_fail_reports():
     errors.use_store(dist.HashStore())
     try:
-        assert [errors._first_to_report() for _ in range(3)] == [True, False, False]
+        assert [errors.first_to_report() for _ in range(3)] == [True, False, False]
     finally:
         errors.use_store(None)
 

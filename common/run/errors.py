@@ -59,7 +59,7 @@ def run_abort_hooks() -> None:
             pass
 
 
-def _first_to_report() -> bool:
+def first_to_report() -> bool:
     """True on exactly one rank: the first to fail (the store's counter), or rank 0 before the ranks have met."""
     if _store is None:
         return launch_rank() == 0
@@ -125,7 +125,7 @@ def report_and_exit(error: BaseException, code: int = 1) -> None:
     """Prints `error`'s report if this rank is the first to fail, stops child processes, and leaves at once
     (os._exit: a normal exit could wait forever on a peer that is gone, in a collective or a C++ thread)."""
     message = describe(error)
-    if message is not None and _first_to_report():
+    if message is not None and first_to_report():
         message = _said_before(message)
         if "tqdm" in sys.modules:  # below this process's progress bar, not glued to it
             sys.modules["tqdm"].tqdm.write(message, file=sys.stderr)

@@ -134,7 +134,7 @@ def signal_point(name: str, step: int) -> None:
         return
     from common.run import distributed
     pids = [os.getpid()] if "self" in point[2:] else \
-        [int(distributed._store.get(f"nanorl/pid/{r}")) for r in range(distributed._global_world)]
+        [int(distributed.kv_store.get(f"nanorl/pid/{r}")) for r in range(distributed.launch_world)]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
 
@@ -142,4 +142,4 @@ def signal_point(name: str, step: int) -> None:
 def _for_this_rank(options: list[str]) -> bool:
     from common.run import distributed
     wanted = [o.removeprefix("rank=") for o in options if o.startswith("rank=")]
-    return not wanted or str(distributed._global_rank) in wanted
+    return not wanted or str(distributed.launch_rank) in wanted
