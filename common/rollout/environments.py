@@ -49,6 +49,7 @@ import time
 import traceback
 from pathlib import Path
 
+from common.data.synthetic import LookupEnv
 from common.rollout.rewards import (WorkerProcess, checked_reward, load_reward_fn, read_exactly, send_bytes,
                                     send_message, worker_setup)
 from common.rollout.tools import load_tools, tool_schema
@@ -138,8 +139,6 @@ def load_env_factory(env: str | None, tools: str | None, reward_fn: str):
         functions, score = load_tools(tools), load_reward_fn(reward_fn)
         return lambda row: ToolEnv(row, functions, score)
     if env == "lookup":
-        from common.data.synthetic import LookupEnv
-
         return LookupEnv
     path, _, name = env.rpartition(":")
     if not path or not path.endswith(".py"):

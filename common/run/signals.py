@@ -75,7 +75,8 @@ def stop_requested() -> str | None:
 
 def stop_agreed(device) -> bool:
     """Collective: True on every rank if any rank received a stop signal, so all ranks stop after the same step."""
-    from common.run.distributed import max_over_ranks
+    from common.run.distributed import max_over_ranks  # imported here: distributed.py loads torch, which the reward
+    # processes (common/rollout/rewards.py) that import this module do without
     return max_over_ranks(int(_received is not None), device) > 0
 
 
@@ -132,7 +133,7 @@ def signal_point(name: str, step: int) -> None:
     point = os.environ.get("NANORL_TEST_SIGNAL", "").split(":")
     if point[:2] != [name, str(step)] or not _for_this_rank(point[2:]):
         return
-    from common.run import distributed
+    from common.run import distributed  # imported here, as in stop_agreed
     pids = [os.getpid()] if "self" in point[2:] else \
         [int(distributed.kv_store.get(f"nanorl/pid/{r}")) for r in range(distributed.launch_world)]
     for pid in pids:
@@ -140,6 +141,6 @@ def signal_point(name: str, step: int) -> None:
 
 
 def _for_this_rank(options: list[str]) -> bool:
-    from common.run import distributed
+    from common.run import distributed  # imported here, as in stop_agreed
     wanted = [o.removeprefix("rank=") for o in options if o.startswith("rank=")]
     return not wanted or str(distributed.launch_rank) in wanted
