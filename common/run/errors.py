@@ -75,7 +75,8 @@ def describe(error: BaseException) -> str | None:
         return None
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (Ctrl-C) before training started"
-    if type(error).__name__ == "OutOfMemoryError" and _describe_out_of_memory and not os.environ.get("NANORL_TRACEBACK"):
+    out_of_memory = type(error).__name__ == "OutOfMemoryError" and _describe_out_of_memory is not None
+    if out_of_memory and not os.environ.get("NANORL_TRACEBACK"):
         return f"error: {_describe_out_of_memory(error)}"  # the loop's stages say theirs (common/run/logger.py)
     user = isinstance(error, USER_ERRORS)
     if (user or _is_lost_peer(error)) and not os.environ.get("NANORL_TRACEBACK"):
