@@ -39,12 +39,12 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
+from common.run.cli import check_ranges, run_main
 from common.run.distributed import finish_distributed, quiet_libraries, sum_over_ranks
-from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
 from common.run.packages import check_packages
-from common.run.planner import plan_run
 from common.run.resume import Checkpoints, TrainedModel
+from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
 from common.train.batching import empty_backward, plan_equal_micro_batches, share_samples_evenly
@@ -174,7 +174,6 @@ def check_args(args: Args, world: int) -> None:
                  positive=["lr", "max_grad_norm", "hang_timeout", "kto_desirable_weight", "kto_undesirable_weight"],
                  non_negative=["warmup_steps", "weight_decay", "sft_weight", "ref_update_every", "eval_every",
                                "save_every", "save_state_every", "keep_checkpoints"])
-    check_packages(args)  # a flag whose package is not installed: one line with its pip command
     check_loss_args(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
     check_lora_args(args)
     if args.online:
@@ -192,6 +191,7 @@ def check_args(args: Args, world: int) -> None:
     if 2 * args.max_len > args.max_tokens_per_micro_batch:
         raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole pair: "
                          f"2 x --max-len = {2 * args.max_len}")
+    check_packages(args)  # a flag whose package is missing: one line with the pip command (the checks above need none)
 
 
 def make_online_pairs(samples: list[dict], args: Args) -> tuple[list[dict], dict]:

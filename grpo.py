@@ -33,12 +33,12 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
+from common.run.cli import check_ranges, run_main
 from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
-from common.run.errors import check_ranges, run_main
 from common.run.logger import start_logging
 from common.run.packages import check_packages
-from common.run.planner import plan_run
 from common.run.resume import Checkpoints, TrainedModel
+from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
 from common.train.batching import (batching_metrics, empty_backward, mini_batches, pad_rows,
@@ -123,7 +123,6 @@ def check_args(args: Args, world: int) -> None:
                  at_least_one=["steps", "epochs", "num_mini_batches", "eval_size", "max_tokens_per_micro_batch"],
                  non_negative=["warmup_steps", "weight_decay", "clip_low", "clip_high", "kl_coef", "eval_every",
                                "logprob_diff_every", "save_every", "save_state_every", "keep_checkpoints"])
-    check_packages(args)  # a flag whose package is not installed: one line with its pip command
     check_rollout_args(args, world)
     check_lora_args(args)
     check_routing_replay(args, model_config(args.model))
@@ -135,6 +134,7 @@ def check_args(args: Args, world: int) -> None:
         longest = args.max_prompt_len + args.max_response_len
         raise ValueError(f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch} must hold one whole "
                          f"sequence: --max-prompt-len + --max-response-len = {longest}")
+    check_packages(args)  # a flag whose package is missing: one line with the pip command (the checks above need none)
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:

@@ -120,7 +120,7 @@ def _script_rank(module, request: dict, rank: int, port: int) -> None:
                           "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "forked",
                           "TORCHELASTIC_USE_AGENT_STORE": "True"})
     sys.argv = [request["script"], *request["args"]]
-    from common.run.errors import run_main
+    from common.run.cli import run_main
     code = 0
     try:
         run_main(module.main, module.Args)

@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from common.rollout.rewards import RewardError
-from common.run import errors
+from common.run import cli, errors
 
 
 def test_user_errors_are_one_line_bugs_keep_their_traceback(monkeypatch):
@@ -29,7 +29,7 @@ def test_user_errors_are_one_line_bugs_keep_their_traceback(monkeypatch):
 def test_the_first_rank_to_fail_reports():
     errors.use_store(dist.HashStore())
     try:
-        assert [errors._first_to_report() for _ in range(3)] == [True, False, False]
+        assert [errors.first_to_report() for _ in range(3)] == [True, False, False]
     finally:
         errors.use_store(None)
 
@@ -52,7 +52,7 @@ def test_tyro_boxes_become_one_line(argv, expected):
     box = io.StringIO()
     with contextlib.redirect_stderr(box), contextlib.redirect_stdout(box), pytest.raises(SystemExit):
         tyro.cli(grpo.Args, args=argv)
-    assert errors._one_line(box.getvalue()) == expected
+    assert cli._one_line(box.getvalue()) == expected
 
 
 def test_help_flows_each_flags_docstring_into_one_paragraph(monkeypatch, capsys):
@@ -69,7 +69,7 @@ def test_help_flows_each_flags_docstring_into_one_paragraph(monkeypatch, capsys)
     monkeypatch.setenv("COLUMNS", "120")
     monkeypatch.setattr("sys.argv", ["script.py", "--help"])
     with pytest.raises(SystemExit):
-        errors.parse_args(Flags)
+        cli.parse_args(Flags)
     lines = [" ".join(line.strip("│ ").split()) for line in capsys.readouterr().out.splitlines()]
     assert any("a short first line that goes on here" in line for line in lines), lines
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import grpo
-from common.run.planner import HEADROOM, Setup, Shape, fixes, fits, memory, setup_of_run, step_time
+from common.run.planner import HEADROOM, Setup, Shape, fixes, fits, memory, step_time
+from common.run.run_plan import setup_of_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMPLE = {"act_h": 10.0, "act_i": 4.0, "compile_act_share": 0.5, "ckpt_h": 2.0, "logit_copies": 2.0,
@@ -263,7 +264,7 @@ def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monke
     import torch
 
     from common.rollout.args import fill_rollout_defaults
-    from common.run import planner
+    from common.run import run_plan as planner
     monkeypatch.setattr(planner, "_plan", None)  # what plan_run sets goes with the test
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 4e9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from common.data.prompts import (DEFAULT_EVAL_SIZE, _first_line, check_eval_dataset, check_table, read_split,
+from common.data.prompts import (DEFAULT_EVAL_SIZE, check_eval_dataset, check_table, first_line, read_split,
                                  train_eval_tables)
 from common.data.synthetic import make_synthetic_pairs
 
@@ -242,7 +242,7 @@ def _tokenize_with_template(pairs: list[dict], tokenizer, responses: tuple[str, 
             return tokenizer.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, return_dict=False)
         except Exception as error:  # a template's own checks (roles must alternate...) raise from inside Jinja
-            raise ValueError(f"the chat template could not render the pairs: {_first_line(error)}") from error
+            raise ValueError(f"the chat template could not render the pairs: {first_line(error)}") from error
 
     conversations = [_as_messages(pair["prompt"], "user") for pair in pairs]
     prompts = render(conversations, add_generation_prompt=True)

@@ -61,7 +61,7 @@ class PromptDataArgs(EvalDataArgs):
                        "eval_size", "chat_template")
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     """Library errors can run to pages; one line of them is enough to say what went wrong."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
@@ -91,7 +91,7 @@ def _read_local_file(path: str):
     try:
         return datasets.load_dataset(loader, data_files=path, split="train")
     except Exception as error:
-        raise ValueError(f"could not read {path} (empty or malformed?): {_first_line(error)}") from error
+        raise ValueError(f"could not read {path} (empty or malformed?): {first_line(error)}") from error
 
 
 def _read_hub(dataset: str, config: str | None):
@@ -103,7 +103,7 @@ def _read_hub(dataset: str, config: str | None):
     except Exception as error:
         raise ValueError(
             f"could not load hub dataset {dataset!r} (config={config!r}): the hub could not be reached or the "
-            f"dataset does not exist ({_first_line(error)}); a local .jsonl/.json/.parquet/.csv file or a directory "
+            f"dataset does not exist ({first_line(error)}); a local .jsonl/.json/.parquet/.csv file or a directory "
             f"of them works too"
         ) from error
 
@@ -128,7 +128,7 @@ def _read_local_dir(path: str, config: str | None):
             raise ValueError(f"{path} holds several configurations, {configs}: name one (--dataset-config, or "
                              f"--eval-dataset-config for --eval-dataset)") from error
         raise ValueError(f"could not read the directory {path} as a dataset (split files such as train.jsonl and "
-                         f"test.jsonl, a hub snapshot, or a save_to_disk directory): {_first_line(error)}") from error
+                         f"test.jsonl, a hub snapshot, or a save_to_disk directory): {first_line(error)}") from error
 
 
 def _config_names(path: str) -> list[str]:
@@ -246,7 +246,8 @@ def load_rows(
     a local directory or the hub. A local file has a single split, so `split` is ignored for it (load_train_eval
     holds out eval rows instead)."""
     if dataset is None:
-        from common.data.synthetic import make_synthetic_rows  # imported lazily: only the built-in task needs it
+        from common.data.synthetic import make_synthetic_rows  # imported here: only the built-in task needs it
+        # (tests/test_prompts.py stands a module in for it)
 
         return make_synthetic_rows(split)
     return _rows_from_table(*read_split(dataset, config, split), prompt_key, answer_key)

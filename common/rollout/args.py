@@ -12,7 +12,7 @@ from common.rollout.environments import load_env_factory
 from common.rollout.rewards import load_reward_fn
 from common.rollout.tools import check_sandbox
 from common.rollout.vllm_engine import check_kv_width
-from common.run.errors import check_ranges
+from common.run.cli import check_ranges
 from common.train.model import model_config, pick_precision
 from sharding.vllm_moe import check_moe_mapped
 

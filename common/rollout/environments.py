@@ -49,8 +49,9 @@ import time
 import traceback
 from pathlib import Path
 
-from common.rollout.rewards import (_read_exactly, _send, _send_bytes, _Worker, checked_reward, load_reward_fn,
-                                    worker_setup)
+from common.data.synthetic import LookupEnv
+from common.rollout.rewards import (WorkerProcess, checked_reward, load_reward_fn, read_exactly, send_bytes,
+                                    send_message, worker_setup)
 from common.rollout.tools import load_tools, tool_schema
 from common.run import errors
 
@@ -138,8 +139,6 @@ def load_env_factory(env: str | None, tools: str | None, reward_fn: str):
         functions, score = load_tools(tools), load_reward_fn(reward_fn)
         return lambda row: ToolEnv(row, functions, score)
     if env == "lookup":
-        from common.data.synthetic import LookupEnv
-
         return LookupEnv
     path, _, name = env.rpartition(":")
     if not path or not path.endswith(".py"):
@@ -171,11 +170,11 @@ def worker_main() -> None:
     try:
         factory = load_env_factory(env_spec, tools_spec, reward_spec)
     except Exception as e:  # noqa: BLE001 - reported by the rank
-        return _send(out, ("failed", None, f"{type(e).__name__}: {e}"))
-    _send(out, ("ready", None, None))
+        return send_message(out, ("failed", None, f"{type(e).__name__}: {e}"))
+    send_message(out, ("ready", None, None))
     envs = {}
-    while (header := _read_exactly(0, 8)) is not None:
-        op, key, payload = pickle.loads(_read_exactly(0, struct.unpack(">Q", header)[0]))
+    while (header := read_exactly(0, 8)) is not None:
+        op, key, payload = pickle.loads(read_exactly(0, struct.unpack(">Q", header)[0]))
         try:
             if op == "end":
                 envs.pop(key, None)
@@ -184,19 +183,19 @@ def worker_main() -> None:
                 env = envs[key] = factory(payload)
                 messages = env.reset() if hasattr(env, "reset") else None
                 tools = [tool_schema(t) for t in getattr(env, "tools", None) or []]
-                _send(out, ("ok", key, (messages, tools)))
+                send_message(out, ("ok", key, (messages, tools)))
             else:
                 messages, reward, done = envs[key].step(payload)
                 reward = checked_reward(reward, "an environment step", "", payload, "")
                 if done:
                     del envs[key]
-                _send(out, ("ok", key, (list(messages or []), reward, bool(done))))
+                send_message(out, ("ok", key, (list(messages or []), reward, bool(done))))
         except Exception as e:  # noqa: BLE001 - reported by the rank, naming the sample and the turn
             frame = traceback.extract_tb(e.__traceback__)[-1]
-            _send(out, ("error", key, f"{type(e).__name__}: {e} ({Path(frame.filename).name}:{frame.lineno})"))
+            send_message(out, ("error", key, f"{type(e).__name__}: {e} ({Path(frame.filename).name}:{frame.lineno})"))
 
 
-class _EnvProcess(_Worker):
+class _EnvProcess(WorkerProcess):
     """An environment process (common/rollout/rewards.py's worker process, running this module's worker_main) and its calls:
     those not sent yet, and those sent and not answered."""
 
@@ -265,7 +264,7 @@ class EnvWorkers:
             if process.sent and process.sent_bytes + len(data) > SENT_BYTES:
                 break
             process.queue.popleft()
-            _send_bytes(process.process.stdin.fileno(), data)
+            send_bytes(process.process.stdin.fileno(), data)
             if answer:  # "end" gets none
                 if not process.sent:
                     process.started = time.monotonic()

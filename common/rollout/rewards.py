@@ -202,18 +202,18 @@ def _sample(prompt: str, completion: str, answer: str) -> str:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 
-def _send(fd: int, message) -> None:
-    _send_bytes(fd, pickle.dumps(message))
+def send_message(fd: int, message) -> None:
+    send_bytes(fd, pickle.dumps(message))
 
 
-def _send_bytes(fd: int, data: bytes) -> None:
+def send_bytes(fd: int, data: bytes) -> None:
     """One message already pickled, behind its length."""
     data = struct.pack(">Q", len(data)) + data
     while data:
         data = data[os.write(fd, data):]
 
 
-def _read_exactly(fd: int, n: int) -> bytes | None:
+def read_exactly(fd: int, n: int) -> bytes | None:
     chunks = []
     while n:
         chunk = os.read(fd, n)
@@ -248,15 +248,15 @@ def worker_main() -> None:
     try:
         reward_fn = load_reward_fn(spec)
     except Exception as e:  # noqa: BLE001 - reported by the rank
-        return _send(out, ("failed", f"{type(e).__name__}: {e}"))
-    _send(out, ("ready", None))
-    while (header := _read_exactly(0, 8)) is not None:
-        prompt, completion, answer = pickle.loads(_read_exactly(0, struct.unpack(">Q", header)[0]))
+        return send_message(out, ("failed", f"{type(e).__name__}: {e}"))
+    send_message(out, ("ready", None))
+    while (header := read_exactly(0, 8)) is not None:
+        prompt, completion, answer = pickle.loads(read_exactly(0, struct.unpack(">Q", header)[0]))
         try:
             value = reward_fn(prompt, completion, answer)
-            _send(out, ("ok", value if isinstance(value, numbers.Real) else _OtherValue(value)))
+            send_message(out, ("ok", value if isinstance(value, numbers.Real) else _OtherValue(value)))
         except Exception as e:  # noqa: BLE001 - reported by the rank, naming the sample
-            _send(out, ("error", f"{type(e).__name__}: {e}"))
+            send_message(out, ("error", f"{type(e).__name__}: {e}"))
 
 
 class _OtherValue:
@@ -269,7 +269,7 @@ class _OtherValue:
         return self.text
 
 
-class _Worker:
+class WorkerProcess:
     """One reward process and the call it is working on (common/rollout/environments.py's processes are these too, running
     `module`'s worker_main)."""
 
@@ -283,7 +283,7 @@ class _Worker:
 
     def start(self, call: tuple) -> None:
         self.call, self.started = call, time.monotonic()
-        _send(self.process.stdin.fileno(), call[3:])
+        send_message(self.process.stdin.fileno(), call[3:])
 
     def read(self) -> list | None:
         """The complete messages that have arrived (call when select says fd is readable); None: the process ended."""
@@ -325,7 +325,7 @@ class RewardScorer:
         if workers < 1:
             raise ValueError(f"--reward-workers must be at least 1, got {workers}")
         self.spec, self.timeout_s = spec, timeout_s
-        self.workers = [_Worker(spec) for _ in range(workers)]
+        self.workers = [WorkerProcess(spec) for _ in range(workers)]
         self.lock = threading.Condition()
         self.queue = collections.deque()  # calls not started: (round, key, index, prompt, completion, answer)
         self.round = 0  # one per collect: a call still under way from a failed round must not land in the next
@@ -402,7 +402,7 @@ class RewardScorer:
             limit = min(limit, max(started, self.stopped_at) + self.stop_grace_s)
         return limit
 
-    def _receive(self, worker: _Worker) -> None:
+    def _receive(self, worker: WorkerProcess) -> None:
         messages = worker.read()
         with self.lock:
             if messages is None:  # the process ended
@@ -437,14 +437,14 @@ class RewardScorer:
         self.groups[key][index] = reward
         self.unscored -= 1
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: WorkerProcess) -> None:
         """A call ran past its deadline: it scores 0, and its process (maybe stuck for good) makes way for a new one."""
         with self.lock:
             round_, key, index = worker.call[:3]
             if round_ == self.round:
                 self._record(key, index, 0.0)
                 self.timeouts += 1
-            self.workers[self.workers.index(worker)] = _Worker(self.spec)
+            self.workers[self.workers.index(worker)] = WorkerProcess(self.spec)
             self.lock.notify_all()
         worker.kill()
 

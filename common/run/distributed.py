@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from common.run import errors
 
-_store = None  # torchrun's key-value store: reaches every process of the launch, whatever its role
-_global_rank, _global_world = 0, 1
+kv_store = None  # torchrun's key-value store: reaches every process of the launch, whatever its role
+launch_rank, launch_world = 0, 1
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -57,8 +57,8 @@ def launch_store() -> tuple[object, int, int]:
 def use_store(store, global_rank: int, global_world: int = 1) -> None:
     """The store every process of the launch shares (set once the processes have met); each process leaves its pid
     there (tests signal every process of a launch through it: common.run.signals.signal_point)."""
-    global _store, _global_rank, _global_world
-    _store, _global_rank, _global_world = store, global_rank, global_world
+    global kv_store, launch_rank, launch_world
+    kv_store, launch_rank, launch_world = store, global_rank, global_world
     errors.use_store(store, global_rank)
     if store is not None:
         store.set(f"nanorl/pid/{global_rank}", str(os.getpid()))
@@ -69,15 +69,15 @@ def decided_by_rank0(name: str, decide):
     decide() and every process returns its (JSON-serialisable) result; if it raises, every process raises: rank 0
     its own error, the others PeerFailed. For decisions only one process may take (the lock on a run directory)."""
     key = f"nanorl/decided/{name}"
-    if _global_rank == 0:
+    if launch_rank == 0:
         try:
             result = decide()
         except Exception as e:
-            _store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            kv_store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
             raise
-        _store.set(key, json.dumps({"result": result}))
+        kv_store.set(key, json.dumps({"result": result}))
         return result
-    message = json.loads(_store.get(key))  # waits for rank 0
+    message = json.loads(kv_store.get(key))  # waits for rank 0
     if "error" in message:
         raise errors.PeerFailed(f"rank 0 failed: {message['error']}")
     return message["result"]

@@ -14,6 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.train.model import sharding_mesh
+from common.train.sequence_parallel import sequence_parallel_size
+
 # Floors well below what each kind of link gives (bus bandwidth, GB/s): NVLink 150-450 on one node, PCIe 10-25,
 # InfiniBand or RoCE between nodes 10-50. A figure under its floor means something is wrong with the link.
 FLOOR_GB_S = {"one node": 5.0, "between nodes": 2.0}
@@ -47,8 +50,6 @@ def size(num_bytes: float) -> str:
 def layout_note(world: int, nodes: int) -> str:
     """How the training ranks split the work: FSDP over all of them or hybrid (sharded within groups, replicated
     across), and sequence-parallel groups."""
-    from common.train.model import sharding_mesh
-    from common.train.sequence_parallel import sequence_parallel_size
     mesh = sharding_mesh()
     groups, size = (1, world) if mesh is None else mesh.shape
     note = f"FSDP over {world} rank{'s' if world > 1 else ''}" if groups == 1 else \

@@ -3,17 +3,14 @@
 import torch
 
 from common.run.distributed import max_over_ranks
-
-
-# Dense bf16 tensor-core peak, FLOP/s, by device-name substring.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
+from common.run.gpus import GPUS
 
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return next((flops for key, (flops, _, _) in GPUS.items() if key in name), None)
 
 
 def memory_in_use(device: torch.device) -> int:

@@ -1,6 +1,6 @@
 """The capacity planner: what a configuration needs of each GPU and how long its step takes, before it runs, and which
-flags would make one that does not fit fit (scripts/plan.py prints it; the scripts use it at start-up and when a
-stage runs out of memory).
+flags would make one that does not fit fit (scripts/plan.py prints it; common/run/run_plan.py applies it to a script's
+flags at start-up and when a stage runs out of memory). This module is the model alone: numbers in, numbers out.
 
 Memory per GPU, by part (GB):
   weights       trained parameters in fp32 (the master copy), frozen ones (a LoRA base) in the compute dtype, both
@@ -42,9 +42,10 @@ Mixtures of experts: common/run/shapes.py says how their parameters, activations
 import math
 from dataclasses import dataclass, replace
 
-from common.run.perf import PEAK_BF16_FLOPS
+from common.run.gpus import GPUS
 from common.run.response_lengths import response_lengths
 from common.run.shapes import Shape
+from common.train.sequence_parallel import heads_split
 
 GB = 1e9
 
@@ -78,10 +79,6 @@ FIT = {
 HEADROOM = 0.9  # a configuration fits when its predicted peak is within this share of the GPU (the model's median
 # error is 5%, and a step's micro-batches differ)
 
-# Per GPU kind: dense bf16 FLOP/s (common/run/perf.py's), HBM bandwidth (bytes/s), memory (GB of 1e9 bytes, as
-# torch.cuda.mem_get_info and perf/peak_memory_gb count them).
-GPUS = {kind: (PEAK_BF16_FLOPS[kind], bandwidth, memory_gb)
-        for kind, bandwidth, memory_gb in [("H100", 3.35e12, 85.0), ("H200", 4.8e12, 150.0), ("A100", 2.0e12, 85.0)]}
 
 
 @dataclass
@@ -111,8 +108,8 @@ class Setup:
     vllm_memory_gb: float | None = None  # --rollout-gpu-memory as a share of the GPU: vLLM's whole pool
     compile: bool = False
     trained_fraction: float = 1.0  # GRPO trains the groups with signal only: the share of samples that have it
-    trainer_cache_kept: bool = True  # the trainer's freed blocks stay cached while vLLM fits beside them (since
-    # 0fd545a, 2026-11-24; before, they were handed back before every wake-up)
+    trainer_cache_kept: bool = True  # the trainer's freed blocks stay cached while vLLM fits beside them (False: the
+    # code of older runs, which handed them back before every wake-up)
     critic: bool = False  # PPO
     reference: bool = False  # a frozen reference model (kl_coef > 0 without LoRA, DPO without a cache)
     pairs: bool = False  # DPO: each sample is a pair (two responses)
@@ -130,7 +127,8 @@ def _dtype_bytes(precision: str) -> int:
 
 def default_sleep_level(shape: Shape, setup: Setup) -> int:
     """common/rollout/vllm_engine.py's default: 0 while vLLM's weights take at most KEEP_WEIGHTS_UP_TO of the GPU."""
-    from common.rollout.vllm_engine import default_sleep_level
+    from common.rollout.vllm_engine import default_sleep_level  # imported here: it loads transformers, which the
+    # model alone does not need
     if setup.sleep_level is not None:
         return setup.sleep_level
     return default_sleep_level(shape.params * _dtype_bytes(setup.precision) / setup.rollout_tp, setup.memory_gb * GB)
@@ -139,7 +137,7 @@ def default_sleep_level(shape: Shape, setup: Setup) -> int:
 def kv_cache_gb(shape: Shape, setup: Setup) -> float:
     """The KV cache the scripts size by default (common/rollout/vllm_engine.py's): a replica's sequences at once, each
     of --max-prompt-len + --max-response-len tokens, a tenth more, at most KV_CACHE_CAP of the GPU."""
-    from common.rollout.vllm_engine import kv_cache_size_gib
+    from common.rollout.vllm_engine import kv_cache_size_gib  # imported here, like default_sleep_level above
     if setup.kv_cache_gb is not None:
         return setup.kv_cache_gb
     per_token = 2 * shape.layers * max(1, shape.kv_heads // setup.rollout_tp) * shape.head_dim * \
@@ -278,7 +276,6 @@ def fixes(shape: Shape, setup: Setup, fit: dict = FIT) -> list[tuple[str, float]
     """Flags (and the peak GB they would give) that bring a configuration under the GPU's memory (with HEADROOM),
     cheapest first: activation checkpointing, a smaller micro-batch, offload, sequence parallelism, LoRA, vLLM's
     weights off the GPU while training; where no single one does, activation checkpointing with one of the others."""
-    from common.train.sequence_parallel import heads_split
     options = []
     for budget in (8192, 4096, 2048):
         if budget < setup.max_tokens_per_micro_batch:
@@ -336,90 +333,3 @@ def describe(shape: Shape, setup: Setup, fit: dict = FIT, step_assumes: str = ""
                  + ", ".join(f"{k} {v:.1f}" for k, v in time_.items() if k != "step")
                  + f"; training at an MFU of {mfu(shape, setup, fit):.0%})")
     return lines
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The scripts at start-up: their flags as a Setup, an unset --activation-checkpointing decided, and what a stage that
-# runs out of memory says.
-
-_plan = None  # (shape, setup) of this run, once plan_run has made it
-
-
-def setup_of_run(args, world: int, gpu_name: str, gpu_memory_gb: float) -> Setup:
-    """A script's flags (grpo.py, ppo.py, dpo.py) as the planner's inputs, at the worst case for memory: every
-    prompt and response as long as their limits. The training ranks hold a vLLM engine when colocated with it."""
-    pairs = not getattr(args, "online", True)  # offline dpo.py: pairs of a dataset, no engine
-    engine = not pairs and not args.rollout_ranks and args.rollout_engine == "vllm"
-    share = args.rollout_gpu_memory if engine and args.rollout_gpu_memory and args.rollout_gpu_memory <= 1 else None
-    kv_gib = args.rollout_gpu_memory if engine and args.rollout_gpu_memory and args.rollout_gpu_memory > 1 else None
-    samples = getattr(args, "pairs_per_step", 0) if pairs else args.prompts_per_step * args.group_size
-    prompt = args.max_len // 2 if pairs else args.max_prompt_len
-    response = args.max_len - prompt if pairs else args.max_response_len
-    kind = next((k for k in GPUS if k in gpu_name), "H100")
-    return Setup(gpus=world, gpu=kind, gpu_memory_gb=gpu_memory_gb, prompt_len=prompt, max_prompt_len=prompt,
-                 response_len=response, max_response_len=response, samples=samples,
-                 max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, precision=args.precision,
-                 lora_rank=args.lora_rank, offload=getattr(args, "offload", False),
-                 activation_checkpointing=bool(args.activation_checkpointing), compile=args.compile,
-                 sequence_parallel=args.sequence_parallel, shard_size=args.shard_size, rollout=engine,
-                 vllm_memory_gb=share and share * gpu_memory_gb, kv_cache_gb=kv_gib and kv_gib * 2**30 / GB,
-                 rollout_tp=getattr(args, "rollout_tp", 1), rollout_eager=getattr(args, "rollout_eager", False),
-                 sleep_level=getattr(args, "rollout_sleep_level", None),
-                 critic=hasattr(args, "critic_lr"),
-                 reference=not args.lora_rank and (getattr(args, "kl_coef", 0) > 0 or getattr(args, "ref_cache", "")
-                                                   == "none"),
-                 pairs=pairs, epochs=getattr(args, "epochs", 1),
-                 old_logprobs_pass=hasattr(args, "critic_lr") or getattr(args, "epochs", 1) > 1
-                 or getattr(args, "num_mini_batches", 1) > 1)
-
-
-def plan_run(args, world: int, device) -> list[str]:
-    """At start-up, on GPUs: the planner's forecast for this run (lines to print) and, where --activation-checkpointing
-    was not given (neither it nor --no-activation-checkpointing), its choice: on when the step would not fit without
-    it. Memory and time are both at the worst case, every response as long as its limit: right for memory, an upper
-    bound for the step (the step line says so). On CPU there is nothing to plan."""
-    global _plan
-    from common.run.errors import given_on_command_line
-    if device.type != "cuda":
-        return []
-    import torch
-
-    from common.train.model import model_config
-    shape = Shape.from_config(model_config(args.model))
-    total = torch.cuda.mem_get_info(device)[1] / GB
-    setup = setup_of_run(args, world, torch.cuda.get_device_name(device), total)
-    lines = []
-    if not given_on_command_line("activation_checkpointing"):
-        peak = memory(shape, setup)["peak"]
-        if not within_headroom(peak, setup):
-            args.activation_checkpointing = True
-            setup = replace(setup, activation_checkpointing=True)
-            lines.append(f"planner: --activation-checkpointing on: the step needs about {peak:.0f} GB without it, "
-                         f"more than {HEADROOM:.0%} of the GPU's {total:.0f} GB")
-    _plan = (shape, setup)
-    longest = "every pair runs to --max-len" if setup.pairs else "every response runs to --max-response-len"
-    report = describe(shape, setup, step_assumes=f"if {longest}, an upper bound")
-    return lines + ["planner: " + line for line in report[1:]]
-
-
-def out_of_memory_report(stage: str, step: int, error: BaseException) -> str:
-    """The one line a stage that ran out of GPU memory says: where, what is in use, and the flags that would fit.
-    stage "start-up": before the loop (loading the models, starting the engine). The GPU's own count of what is in
-    use, not PyTorch's: vLLM's sleep mode unmaps memory that PyTorch's allocator still counts as allocated."""
-    import torch
-    line = "out of GPU memory at start-up" if stage == "start-up" else \
-        f"out of GPU memory in stage '{stage}' of step {step}"
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        line += f": {(total - free) / GB:.1f} of {total / GB:.1f} GB in use"
-    line += f" ({' '.join(str(error).split()).split(' Including non-PyTorch')[0][:200]})"  # PyTorch's first sentences
-    if _plan is not None:
-        shape, setup = _plan
-        mem = memory(shape, setup)
-        phase = "rollout" if stage in ("start-up", "rollout", "generate", "eval", "sync", "check_sync") else "training"
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in mem[phase].items() if v >= 0.05)
-        found = fixes(shape, setup)
-        line += f"; the planner expects {sum(mem[phase].values()):.1f} GB ({parts})"
-        line += "; would fit with: " + ("; ".join(flag for flag, _ in found) if found else
-                                        "no single flag: more GPUs, or a smaller model")
-    return line

@@ -37,7 +37,7 @@ def _handle(signum, frame) -> None:
     if _received is not None:  # the same request again (Slurm and torchrun both pass SIGTERM on): already stopping
         return
     _received = name
-    if errors._launch_rank() == 0 and _announce:
+    if errors.launch_rank() == 0 and _announce:
         _write(f"{name}: finishing this step, then saving and stopping (Ctrl-C twice stops at once, without saving)")
 
 
@@ -75,7 +75,8 @@ def stop_requested() -> str | None:
 
 def stop_agreed(device) -> bool:
     """Collective: True on every rank if any rank received a stop signal, so all ranks stop after the same step."""
-    from common.run.distributed import max_over_ranks
+    from common.run.distributed import max_over_ranks  # imported here: distributed.py loads torch, which the reward
+    # processes (common/rollout/rewards.py) that import this module do without
     return max_over_ranks(int(_received is not None), device) > 0
 
 
@@ -132,14 +133,14 @@ def signal_point(name: str, step: int) -> None:
     point = os.environ.get("NANORL_TEST_SIGNAL", "").split(":")
     if point[:2] != [name, str(step)] or not _for_this_rank(point[2:]):
         return
-    from common.run import distributed
+    from common.run import distributed  # imported here, as in stop_agreed
     pids = [os.getpid()] if "self" in point[2:] else \
-        [int(distributed._store.get(f"nanorl/pid/{r}")) for r in range(distributed._global_world)]
+        [int(distributed.kv_store.get(f"nanorl/pid/{r}")) for r in range(distributed.launch_world)]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
 
 
 def _for_this_rank(options: list[str]) -> bool:
-    from common.run import distributed
+    from common.run import distributed  # imported here, as in stop_agreed
     wanted = [o.removeprefix("rank=") for o in options if o.startswith("rank=")]
-    return not wanted or str(distributed._global_rank) in wanted
+    return not wanted or str(distributed.launch_rank) in wanted

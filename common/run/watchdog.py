@@ -24,7 +24,7 @@ from common.run import distributed, errors
 class Watchdog:
     def __init__(self, timeout_s: float, output_dir: str):
         self.timeout_s, self.output_dir = timeout_s, output_dir
-        self.rank, self.store = distributed._global_rank, distributed._store
+        self.rank, self.store = distributed.launch_rank, distributed.kv_store
         self.step, self.where, self.last = 0, "start", None  # `last`: when progress was last made (None: not yet)
         self.lock = threading.Lock()
         threading.Thread(target=self._watch, daemon=True).start()
@@ -58,7 +58,7 @@ class Watchdog:
         message = (f"error: hang: rank {self.rank} made no progress for {self.timeout_s:g} s (--hang-timeout) in "
                    f"{where} of step {step}; " + ("; ".join(others) if others else "every rank is at the same place "
                    "(a deadlock, or work that never returns)") + f"; Python stacks in {os.path.dirname(path)}/")
-        if errors._first_to_report():
+        if errors.first_to_report():
             print(message, file=sys.stderr, flush=True)
         errors.run_abort_hooks()
         sys.stdout.flush()
@@ -67,7 +67,7 @@ class Watchdog:
     def _elsewhere(self, step: int, where: str) -> list[str]:
         """The ranks that are not where this one is, with where they are (as far as the store knows)."""
         try:
-            world = distributed._global_world
+            world = distributed.launch_world
             keys = [f"nanorl/progress/{r}" for r in range(world)]
             found = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
         except Exception:  # noqa: BLE001 - the store is gone: say what this rank knows

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from common.train.model import decoder_layers
+from common.train.moe import active_share
 from sharding.lora import is_lora_layer, is_trained_weight
 
 LORA_LR_SCALE = 10  # an unset --lr with LoRA: this times full fine-tuning's default (see the module docstring)
@@ -89,7 +91,6 @@ def check_lora_args(args) -> None:
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
     """The names of the linear layers inside the model's decoder layers (q_proj, k_proj, ..., down_proj), sorted; an
     adapted one counts once, by its own name."""
-    from common.train.model import decoder_layers
     return sorted({name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, module in layer.named_modules()
                    if (isinstance(module, torch.nn.Linear) or is_lora_layer(module))
                    and ".base_layer" not in name and ".lora_" not in name})
@@ -153,8 +154,6 @@ def flop_weighted_params(models: list[torch.nn.Module]) -> tuple[int, float]:
     parameter takes no weight gradient, so 4 of a trained one's 6 FLOPs per token (forward, gradient of the input);
     a mixture-of-experts layer's expert weights count for the share of them a token runs through (its active
     parameters: top k of the experts)."""
-    from common.train.moe import active_share
-
     trained, counted = 0, 0.0
     for model in models:
         share = active_share(getattr(model, "config", None))

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from common.data.synthetic import build_tiny_tokenizer, tiny_model_config
 from common.train.logprobs import use_packed_attention
 from common.train.moe import install_router_hooks
 from common.train.sequence_parallel import check_heads, sequence_parallel_size
@@ -39,7 +40,6 @@ def check_model_source(model: str | None, flag: str = "--model") -> None:
 def load_tokenizer(model: str | None):
     check_model_source(model)
     if model is None:
-        from common.data.synthetic import build_tiny_tokenizer
         tokenizer = build_tiny_tokenizer()
     else:
         try:
@@ -71,7 +71,6 @@ def load_model(model: str | None, tokenizer, seed: int, every_rank: bool = False
     model built from the seed on every rank. every_rank: the whole model on every rank (one that is not sharded).
     dtype: see read_dtypes."""
     if model is None:
-        from common.data.synthetic import tiny_model_config
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(tiny_model_config(tokenizer), dtype=torch.float32)
     return from_pretrained(AutoModelForCausalLM, model, every_rank, dtype)
@@ -155,7 +154,6 @@ def checkpoint_dtype(model: str | None) -> torch.dtype:
 def model_config(model: str | None, tokenizer=None):
     """The transformers config of `model`, or of the built-in tiny model (sized to `tokenizer`, else the built-in one)."""
     if model is None:
-        from common.data.synthetic import tiny_model_config
         return tiny_model_config(tokenizer or load_tokenizer(None))
     check_model_source(model)  # a bad path: one line naming --model
     return AutoConfig.from_pretrained(model)

@@ -11,8 +11,10 @@ Both are FSDP2-sharded like the policy (common/train/model.py) and computed in p
 
 import torch
 
+from common.data.synthetic import tiny_model_config
 from common.train.batching import pack_sequences, plan_equal_micro_batches
 from common.train.logprobs import attach_forward_method, sample_lengths
+from common.train.model import check_model_source, from_pretrained, load_model
 from common.train.sequence_parallel import gather_scored, local_part, sequence_parallel_size
 
 
@@ -23,7 +25,6 @@ def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: in
     a one-line error for a critic checkpoint that cannot serve this policy."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from common.train.model import check_model_source, from_pretrained, load_model
     if critic_model is not None:
         check_model_source(critic_model, "--critic-model")
         config, policy_config = AutoConfig.from_pretrained(critic_model), _policy_config(model, tokenizer)
@@ -61,7 +62,6 @@ def _policy_config(model: str | None, tokenizer):
     from transformers import AutoConfig
 
     if model is None:
-        from common.data.synthetic import tiny_model_config
         return tiny_model_config(tokenizer)
     return AutoConfig.from_pretrained(model)
 
@@ -71,7 +71,6 @@ def load_reward_model(path: str, dtype: torch.dtype = torch.float32):
     one-label sequence classifier."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from common.train.model import check_model_source, from_pretrained
     check_model_source(path, "--reward-model")
     config = AutoConfig.from_pretrained(path)
     architectures = getattr(config, "architectures", None) or []
