@@ -30,16 +30,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from common.data.preference_source import (DatasetExamples, OnlineExamples, ReferenceLogps, example_length,
-                                           example_logps, load_examples, response_lengths)
+from common.data.preference_source import (DatasetExamples, OnlineExamples, PreferenceDataArgs, ReferenceLogps,
+                                           example_length, example_logps, load_examples, response_lengths)
 from common.data.preferences import unpair
-from common.data.prompts import EvalDataArgs
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
-from common.run.cli import check_ranges, run_main
+from common.run.cli import check_ranges, chosen_values, run_main
 from common.run.distributed import finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
@@ -49,12 +48,12 @@ from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
 from common.train.batching import empty_backward, plan_equal_micro_batches, share_samples_evenly
 from common.train.logprobs import model_token_mask
-from common.train.lora import LoraArgs, add_lora, check_lora_args, default_lr
-from common.train.model import load_model, load_tokenizer, read_dtypes, shard_model
+from common.train.loading import load_frozen_reward_model, load_policy, load_reference
+from common.train.lora import LoraArgs, check_lora_args, default_lr
+from common.train.model import load_tokenizer
 from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.sequence_parallel import data_parallel
-from common.train.value_models import load_reward_model
 
 
 # An example, a dict, as the update takes it, and where each key comes from:
@@ -66,30 +65,9 @@ from common.train.value_models import load_reward_model
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs):
+class Args(RunArgs, RolloutArgs, LoraArgs, PreferenceDataArgs, MoeArgs):
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
-    dataset: str | None = None
-    """pairs (or KTO's unpaired rows): a hub dataset, a local .jsonl/.json/.parquet/.csv (.gz too) or a directory of
-    them (grpo.py --help); unset: the built-in task's pairs (its right answer over a wrong one). --online: prompts"""
-    dataset_config: str | None = None
-    """configuration name of a hub dataset or of a snapshot of one (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
-    prompt_key: str = "prompt"
-    """column of the prompt; a file without it holds whole dialogues, whose common start is the prompt"""
-    chosen_key: str = "chosen"
-    """column of the preferred response (or whole dialogue)"""
-    rejected_key: str = "rejected"
-    """column of the other response (or whole dialogue)"""
-    completion_key: str = "completion"
-    """KTO's unpaired rows: the response (without it and --label-key, pairs give a desirable and an undesirable row)"""
-    label_key: str = "label"
-    """KTO's unpaired rows: the column saying whether the response is desirable (true) or not (false)"""
-    eval_split: str = "test"
-    """split of a hub dataset or directory to evaluate on ("train" trains); without it, the last --eval-size pairs"""
-    eval_size: int | None = None
-    """held-out pairs or rows (--online: prompts); unset: 256, or a tenth of training data of fewer than 2,560"""
-    chat_template: bool | None = None
-    """wrap the text in the tokenizer's chat template; unset: for conversations (lists of messages) only"""
     max_len: int | None = None
     """most tokens of prompt + response: longer pairs lose prompt tokens from the start, then response tokens from
     the end; unset: 16 for the built-in task, else 1024"""
@@ -145,14 +123,16 @@ class Args(RunArgs, RolloutArgs, LoraArgs, EvalDataArgs, MoeArgs):
 
 
 # Flags a resumed run cannot change: its saved state (weights, optimizer, data position) would mean nothing.
-FIXED_ON_RESUME = fixed_on_resume(Args, "model", "dataset", "dataset_config", "prompt_key", "chosen_key",
-                                  "rejected_key", "completion_key", "label_key", "eval_split", "eval_size", "online",
-                                  "group_size", "prompts_per_step", "pairs_per_step", "max_len", "max_prompt_len",
-                                  "chat_template")
+FIXED_ON_RESUME = fixed_on_resume(Args, "model", "online", "group_size", "prompts_per_step", "pairs_per_step",
+                                  "max_len", "max_prompt_len")
 
 
-def resolve_defaults(args: Args) -> None:
-    """The flags left unset, from the task (offline --steps, one epoch, once the data is loaded: load_examples)."""
+def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
+    """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
+    and starts from random weights; offline --steps is one epoch, set once the data is loaded: load_examples);
+    then, once the flags are checked, activation checkpointing where the planner forecasts that the step would not
+    fit without it (GPUs only). Returns the lines printed at start-up: the values chosen, and the forecast."""
+    unset = asdict(args)
     builtin = args.dataset is None
     args.lr = default_lr(1e-3 if args.model is None else 5e-7, args) if args.lr is None else args.lr
     args.max_len = (16 if builtin else 1024) if args.max_len is None else args.max_len
@@ -166,6 +146,9 @@ def resolve_defaults(args: Args) -> None:
     if args.online or builtin:  # rollouts: online, the pairs; the built-in task, greedy evaluation
         fill_rollout_defaults(args)  # the engine, reward processes, --precision auto
     args.ref_cache = "none" if args.online else args.ref_cache  # online, the pairs are new every step
+    check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
+    return [chosen_values(unset, asdict(args)), *forecast]
 
 
 def check_args(args: Args, world: int) -> None:
@@ -450,9 +433,7 @@ def main(args: Args):
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py)
     quiet_libraries()  # libraries log warnings only
-    resolve_defaults(args)
-    check_args(args, placement.num_trainers)
-    plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
+    chosen = resolve_defaults(args, placement.num_trainers, device)  # every value chosen for you, printed at start
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
@@ -467,23 +448,13 @@ def main(args: Args):
                               run_dir.start_step)
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
-    def shard(model, trainable: bool = False):  # FSDP2, with what every model of the run shares
-        return shard_model(model, device, activation_checkpointing=trainable and args.activation_checkpointing,
-                           trainable=trainable, compile_layers=args.compile, precision=args.precision, packed_rows=True,
-                           router_aux_loss_coef=trainable * args.router_aux_loss_coef)
-
-    trained_dtype, frozen_dtype = read_dtypes(device, args.precision, args.lora_rank)  # frozen: read as they are kept
-    policy = shard(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained_dtype), args, args.seed),
-                   trainable=True)
-    ref_model = reward_model = rm_tokenizer = None
+    policy = load_policy(args, tokenizer, device, packed_rows=True)
+    ref_model = None
     if args.ref_cache == "none" and args.loss_type != "simpo":
-        ref_model = policy if args.lora_rank else shard(load_model(args.model, tokenizer, args.seed,
-                                                                   dtype=frozen_dtype))
-    if args.reward_model is not None:
-        reward_model, rm_tokenizer = load_reward_model(args.reward_model, frozen_dtype)
-        reward_model = shard(reward_model)
+        ref_model = policy if args.lora_rank else load_reference(args, tokenizer, device)
+    reward_model, rm_tokenizer = load_frozen_reward_model(args, device) if args.reward_model else (None, None)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, notes + plan, [policy])
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, chosen + notes, [policy])
 
     # Where examples come from: the dataset (offline) or the policy's samples, scored and paired (online); the
     # shared rollouts also give greedy task accuracy wherever prompts have answers.
@@ -505,7 +476,10 @@ def main(args: Args):
     first_eval, last_eval = map(checkpoints.resume().get, ("first_eval", "last_eval"))
     # A fresh colocated run's greedy task accuracy; in split placement the rollout ranks get their first weights.
     initial_task_eval = source.start()
-    held_out = lambda task_eval: {**evaluate(policy, reference, eval_rows, args, rank, world, device), **task_eval}
+
+    def held_out(task_eval: dict) -> dict:  # the preference data's held-out accuracy, with the task's
+        return {**evaluate(policy, reference, eval_rows, args, rank, world, device), **task_eval}
+
     if not run_dir.resume_from:
         with timer("eval"):
             first_eval = last_eval = held_out(initial_task_eval)
@@ -521,7 +495,7 @@ def main(args: Args):
         counted = {"tokens": sum(lengths), "count": len(examples)}  # before sharing: each example once
         examples, _ = share_samples_evenly(examples, lengths, world, rank)
 
-        # 2. Reference log-probs: cached, or from the ref_model reference (itself the policy of --ref-update-every ago).
+        # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
         perf.start()
         with timer("reference"):
             reference.add_to(examples)

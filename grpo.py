@@ -33,7 +33,7 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
-from common.run.cli import check_ranges, run_main
+from common.run.cli import check_ranges, chosen_values, run_main
 from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
@@ -45,8 +45,9 @@ from common.train.batching import (batching_metrics, empty_backward, mini_batche
                                    plan_equal_micro_batches, share_samples_evenly, shuffle_generator)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    rollout_mismatch_metrics, sample_lengths)
-from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import load_model, load_tokenizer, model_config, read_dtypes, shard_model
+from common.train.loading import load_policy, load_reference
+from common.train.lora import LoraArgs, adapters_off, check_lora_args, default_lr
+from common.train.model import load_tokenizer, model_config
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 
@@ -278,13 +279,20 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     return metrics
 
 
-def resolve_defaults(args: Args) -> None:
-    """The flags left unset, from the task: the built-in one is tiny and starts from random weights."""
+def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
+    """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
+    and starts from random weights); then, once the flags are checked, activation checkpointing where the planner
+    forecasts that the step would not fit without it (GPUs only). Returns the lines printed at start-up: the values
+    chosen, and the forecast."""
+    unset = asdict(args)
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
     args.lr = default_lr(5e-4 if args.model is None else 1e-6, args) if args.lr is None else args.lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
+    check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
+    return [chosen_values(unset, asdict(args)), *forecast]
 
 
 def main(args: Args):
@@ -293,9 +301,7 @@ def main(args: Args):
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py)
     quiet_libraries()  # libraries log warnings only
-    resolve_defaults(args)
-    check_args(args, placement.num_trainers)
-    plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
+    chosen = resolve_defaults(args, placement.num_trainers, device)  # every value chosen for you, printed at start
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
@@ -309,19 +315,12 @@ def main(args: Args):
         return serve_rollouts(args, placement, tokenizer, train_rows, eval_rows, device, run_dir.path,
                               run_dir.start_step)
 
-    # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer. Frozen weights are read in the
-    # dtype they are kept in, trained ones in fp32.
-    trained_dtype, frozen_dtype = read_dtypes(device, args.precision, args.lora_rank)
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained_dtype), args, args.seed),
-                         device, activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile,
-                         precision=args.precision, router_aux_loss_coef=args.router_aux_loss_coef)
-    reference = None  # of the KL penalty: the frozen initial policy; with LoRA, the policy's own base (adapters off)
-    if args.kl_coef > 0 and not args.lora_rank:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen_dtype), device,
-                                trainable=False, compile_layers=args.compile, precision=args.precision,
-                                packed_rows=True)
+    # Model (with --lora-rank: adapters on a frozen base), reference model, optimizer.
+    policy = load_policy(args, tokenizer, device)
+    # The KL penalty's reference: the frozen initial policy; with LoRA, the policy's own base (adapters off).
+    reference = load_reference(args, tokenizer, device) if args.kl_coef > 0 and not args.lora_rank else None
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy])
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, chosen + data_notes, [policy])
     rollouts = make_rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                              run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,

@@ -29,7 +29,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from common.data.prompts import PromptDataArgs, load_prompts
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
@@ -37,7 +36,7 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
-from common.run.cli import check_ranges, run_main
+from common.run.cli import check_ranges, chosen_values, run_main
 from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
@@ -49,12 +48,14 @@ from common.train.batching import (batching_metrics, empty_backward, mini_batche
                                    plan_equal_micro_batches, share_samples_evenly, shuffle_generator)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
                                    rollout_mismatch_metrics, sample_lengths)
-from common.train.lora import LoraArgs, adapters_off, add_lora, check_lora_args, default_lr
-from common.train.model import load_model, load_tokenizer, model_config, read_dtypes, shard_model
+from common.train.loading import load_critic_model, load_frozen_reward_model, load_policy, load_reference
+from common.train.lora import LoraArgs, adapters_off, check_lora_args, default_lr
+from common.train.model import load_tokenizer, model_config
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
 from common.train.offload import Offloader
 from common.train.optim import clip_and_step, make_optimizer
-from common.train.value_models import compute_values, load_critic, load_reward_model, packed_values, reward_model_scores
+from common.train.stats import explained_variance, masked_whiten
+from common.train.value_models import compute_values, packed_values, reward_model_scores
 
 
 # A sample is one response (or one multi-turn episode) as a dict; the stage that adds each key:
@@ -177,8 +178,9 @@ def padded(samples: list[dict], key: str, device: torch.device) -> torch.Tensor:
     return pad_rows([s[key] for s in samples]).to(device)
 
 
-# Means and statistics over the real tokens of every rank, on right-padded [batch, seq] tensors with a float mask (1 for
-# a real token, 0 for padding): the same numbers whatever the split of the batch over ranks and micro-batches.
+# Means over the real tokens of every rank, on right-padded [batch, seq] tensors with a float mask (1 for a real token,
+# 0 for padding): the same numbers whatever the split of the batch over ranks and micro-batches (and common/train/
+# stats.py's whitening and explained variance).
 
 def token_mean_share(token_loss: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
     """This micro-batch's share of the mini-batch's token mean: sum(token_loss * mask) / num_tokens, where num_tokens
@@ -187,57 +189,6 @@ def token_mean_share(token_loss: torch.Tensor, mask: torch.Tensor, num_tokens: f
     mean per micro-batch instead weighs the tokens of a short micro-batch more and changes the effective learning rate
     with the split: verl's critic loss once did. token_loss, mask: [batch, seq]."""
     return (token_loss * mask).sum() / num_tokens
-
-
-@torch.no_grad()
-def masked_mean_var(x, mask):
-    """Mean and biased variance (divide by N) of x over the real tokens of every rank, as float64 scalars.
-
-    One all_reduce of (sum, sum of squares, count) when torch.distributed is initialised; this rank alone if not.
-    A batch with no real tokens anywhere gives mean 0 and variance 0.
-    """
-    real = mask > 0
-    x = torch.where(real, x.double(), 0.0)  # float64 before squaring: x may be bf16
-    stats = torch.stack([x.sum(), (x * x).sum(), real.sum().double()])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats)
-    total, total_sq, count = stats.unbind()
-    count = count.clamp(min=1)
-    mean = total / count
-    return mean, (total_sq / count - mean * mean).clamp(min=0)  # E[x^2] - E[x]^2 in float64; rounding can go < 0
-
-
-@torch.no_grad()
-def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
-    """(x - mean) / std over the real tokens of all data-parallel ranks; 0 on padding. x, mask: [batch, seq].
-
-    The variance is the biased one (divide by N, see masked_mean_var), so the real tokens of the result have mean 0
-    and biased std 1 (up to eps). verl whitens with the unbiased variance of each rank's own batch; here every rank
-    whitens with the same global statistics, so the advantages do not depend on how the batch is split over ranks
-    (at N in the thousands the two variances differ by a factor N / (N - 1)). shift_mean=False keeps the mean and
-    scales only the spread, (x - mean) / std + mean, as verl and TRL do.
-    """
-    mean, var = masked_mean_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask > 0, whitened, 0.0).to(x.dtype)
-
-
-@torch.no_grad()
-def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over the real tokens of all ranks: 1 for a perfect critic, 0 for one that predicts
-    the mean return everywhere, negative for one worse than that. values, returns, mask: [batch, seq].
-
-    Biased variances, as masked_whiten. When the returns do not vary (Var[R] <= 1e-8, or no real tokens), the
-    ratio means nothing: 1.0 if the critic is exact there too (Var[R - V] <= 1e-8), else 0.0, as scikit-learn's
-    explained_variance_score does; never NaN, so a logged curve has no holes.
-    """
-    _, var_returns = masked_mean_var(returns, mask)
-    _, var_residual = masked_mean_var(returns - values, mask)
-    if var_returns <= 1e-8:
-        return 1.0 if var_residual <= 1e-8 else 0.0
-    return float(1 - var_residual / var_returns)
 
 
 def token_rewards(scores, mask, logprobs, ref_logprobs, kl_coef: float):
@@ -307,6 +258,20 @@ def add_scores(samples: list[dict], args: Args, reward_model, rm_tokenizer, toke
     for s, model_score in zip(samples, model_scores):
         s["model_score"] = model_score
         s["score"] = s["reward"] + model_score - args.missing_eos_penalty * (not s["finished"])
+
+
+def add_old_values_and_logprobs(samples: list[dict], policy, critic, reference, offload, args: Args, device) -> None:
+    """The critic's values, the policy's log-probs and (--kl-coef) the reference's, as the samples were generated."""
+    budget = args.max_tokens_per_micro_batch
+    with offload.on_gpu(critic):
+        for s, values in zip(samples, compute_values(critic, samples, budget, device)):
+            s["old_values"] = values
+    for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
+        s["old_logprobs"] = lp
+    if args.kl_coef > 0:
+        with offload.on_gpu(reference), adapters_off(policy):  # with LoRA: the base model, the reference
+            for s, lp in zip(samples, compute_logprobs(reference or policy, samples, budget, args.temperature, device)):
+                s["ref_logprobs"] = lp
 
 
 def add_advantages(samples: list[dict], args: Args, device) -> None:
@@ -446,8 +411,12 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
     return metrics
 
 
-def resolve_defaults(args: Args) -> None:
-    """The flags left unset, from the task: the built-in one is tiny and starts from random weights."""
+def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
+    """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
+    and starts from random weights); then, once the flags are checked, activation checkpointing where the planner
+    forecasts that the step would not fit without it (GPUs only). Returns the lines printed at start-up: the values
+    chosen, and the forecast."""
+    unset = asdict(args)
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
     args.max_response_len = default_response_len(args) if args.max_response_len is None else args.max_response_len
@@ -455,6 +424,9 @@ def resolve_defaults(args: Args) -> None:
     args.critic_lr = (default_lr(1e-3 if args.model is None else 1e-5, args) if args.critic_lr is None
                       else args.critic_lr)
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
+    check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
+    return [chosen_values(unset, asdict(args)), *forecast]
 
 
 def main(args: Args):
@@ -463,9 +435,7 @@ def main(args: Args):
     placement, device = init_placement(args.rollout_ranks, args.sequence_parallel, args.shard_size)
     install_stop_handlers()  # SIGTERM, SIGUSR1 and Ctrl-C finish the step, save and stop (common/run/signals.py)
     quiet_libraries()  # libraries log warnings only
-    resolve_defaults(args)
-    check_args(args, placement.num_trainers)
-    plan = plan_run(args, placement.num_trainers, device)  # memory and time forecast; an unset checkpointing decided
+    chosen = resolve_defaults(args, placement.num_trainers, device)  # every value chosen for you, printed at start
     rank, world = placement.rank, placement.world
     torch.manual_seed(args.seed)
 
@@ -480,30 +450,16 @@ def main(args: Args):
 
     # Models: the policy and the critic, an optimizer each (with --lora-rank: adapters on frozen bases, the critic's
     # value head trained in full); the frozen reference (with LoRA: the policy's own base) and reward model.
-    # Frozen weights are read in the dtype they are kept in, trained ones in fp32.
-    shard = dict(compile_layers=args.compile, precision=args.precision)
-    trained_dtype, frozen_dtype = read_dtypes(device, args.precision, args.lora_rank)
-    policy = shard_model(add_lora(load_model(args.model, tokenizer, args.seed, dtype=trained_dtype), args, args.seed),
-                         device, activation_checkpointing=args.activation_checkpointing,
-                         router_aux_loss_coef=args.router_aux_loss_coef, **shard)
-    critic = shard_model(add_lora(load_critic(args.model, args.critic_model, tokenizer, args.seed, trained_dtype),
-                                  args, args.seed, heads=("score",)),
-                         device, activation_checkpointing=args.activation_checkpointing, packed_rows=True,
-                         **shard)  # (never generates)
-    reference = reward_model = rm_tokenizer = None
-    if args.kl_coef > 0 and not args.lora_rank:
-        reference = shard_model(load_model(args.model, tokenizer, args.seed, dtype=frozen_dtype), device,
-                                trainable=False, packed_rows=True, **shard)
-    if args.reward_model is not None:
-        reward_model, rm_tokenizer = load_reward_model(args.reward_model, frozen_dtype)
-        reward_model = shard_model(reward_model, device, trainable=False, packed_rows=True, **shard)
+    policy, critic = load_policy(args, tokenizer, device), load_critic_model(args, tokenizer, device)
+    reference = load_reference(args, tokenizer, device) if args.kl_coef > 0 and not args.lora_rank else None
+    reward_model, rm_tokenizer = load_frozen_reward_model(args, device) if args.reward_model else (None, None)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args.weight_decay, args.warmup_steps,
                                                         args.adam_beta2)
     offload = Offloader(args.offload, device)  # from here on, each phase brings in what it uses
     offload.park(critic, reference, reward_model)  # before vLLM sizes itself from the free memory
 
-    logger, timer, perf = start_logging(args, run_dir, rank, world, device, data_notes + plan, [policy, critic])
+    logger, timer, perf = start_logging(args, run_dir, rank, world, device, chosen + data_notes, [policy, critic])
     rollouts = make_rollouts(args, placement, policy, tokenizer, train_rows, eval_rows, device, run_dir.path,
                              run_dir.start_step, logger, timer)
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, rollouts,
@@ -533,17 +489,7 @@ def main(args: Args):
 
         # 3. Values and log-probs at rollout time: the critic, the policy (old), the reference.
         with timer("logprobs"):
-            budget = args.max_tokens_per_micro_batch
-            with offload.on_gpu(critic):
-                for s, values in zip(samples, compute_values(critic, samples, budget, device)):
-                    s["old_values"] = values
-            for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
-                s["old_logprobs"] = lp
-            if args.kl_coef > 0:
-                with offload.on_gpu(reference), adapters_off(policy):  # with LoRA: the base model, the reference
-                    for s, lp in zip(samples, compute_logprobs(reference or policy, samples, budget, args.temperature,
-                                                               device)):
-                        s["ref_logprobs"] = lp
+            add_old_values_and_logprobs(samples, policy, critic, reference, offload, args, device)
 
         # 4. Advantages: per-token rewards (score - KL), GAE with the critic's values, whitened over all ranks.
         add_advantages(samples, args, device)

@@ -12,12 +12,13 @@ initial policy and cached on disk (offline), or from a frozen copy of the model 
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from common.data.preferences import load_preference_rows
-from common.data.prompts import PromptSampler, load_prompts
+from common.data.prompts import EvalDataArgs, PromptSampler, load_prompts
 from common.run.distributed import sum_over_ranks
 from common.train.batching import plan_equal_micro_batches
 from common.train.logprobs import packed_response_logprobs
@@ -26,6 +27,35 @@ from common.train.model import stop_token_ids
 from common.train.sequence_parallel import data_parallel
 from common.train.value_models import reward_model_scores
 
+
+
+@dataclass
+class PreferenceDataArgs(EvalDataArgs):
+    """The preference data's flags (dpo.py's Args extends it)."""
+    dataset: str | None = None
+    """pairs (or KTO's unpaired rows): a hub dataset, a local .jsonl/.json/.parquet/.csv (.gz too) or a directory of
+    them (grpo.py --help); unset: the built-in task's pairs (its right answer over a wrong one). --online: prompts"""
+    dataset_config: str | None = None
+    """configuration name of a hub dataset or of a snapshot of one (e.g. `harmless-base` for Anthropic/hh-rlhf)"""
+    prompt_key: str = "prompt"
+    """column of the prompt; a file without it holds whole dialogues, whose common start is the prompt"""
+    chosen_key: str = "chosen"
+    """column of the preferred response (or whole dialogue)"""
+    rejected_key: str = "rejected"
+    """column of the other response (or whole dialogue)"""
+    completion_key: str = "completion"
+    """KTO's unpaired rows: the response (without it and --label-key, pairs give a desirable and an undesirable row)"""
+    label_key: str = "label"
+    """KTO's unpaired rows: the column saying whether the response is desirable (true) or not (false)"""
+    eval_split: str = "test"
+    """split of a hub dataset or directory to evaluate on ("train" trains); without it, the last --eval-size pairs"""
+    eval_size: int | None = None
+    """held-out pairs or rows (--online: prompts); unset: 256, or a tenth of training data of fewer than 2,560"""
+    chat_template: bool | None = None
+    """wrap the text in the tokenizer's chat template; unset: for conversations (lists of messages) only"""
+
+    fixed_on_resume = (*EvalDataArgs.fixed_on_resume, "dataset", "dataset_config", "prompt_key", "chosen_key",
+                       "rejected_key", "completion_key", "label_key", "eval_split", "eval_size", "chat_template")
 
 def response_pair(example: dict) -> tuple[list[int], list[int]]:
     """The two responses of an example: a pair's chosen and rejected; an unpaired row's completion and KL partner."""

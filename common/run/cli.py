@@ -45,6 +45,13 @@ def given_on_command_line(name: str) -> bool:
                for arg in sys.argv[1:])
 
 
+def chosen_values(unset: dict, resolved: dict) -> str:
+    """The start-up line that names every flag a script's resolve_defaults chose for the user: `unset` as parsed,
+    `resolved` after it."""
+    chosen = [f"--{name.replace('_', '-')} {value}" for name, value in resolved.items() if unset.get(name) != value]
+    return "chosen for you: " + (", ".join(chosen) or "nothing (every flag as given)")
+
+
 def parse_args(cls):
     """tyro.cli(cls), with a bad flag reported as one line (rank 0 only) instead of a box per rank. --help lists the
     script's own flags first, then those of the shared classes its Args extends (RunArgs, RolloutArgs)."""
