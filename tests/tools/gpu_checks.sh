@@ -3,6 +3,9 @@
 #   bash tests/tools/gpu_checks.sh one OUTDIR [GPU_A GPU_B]  # GPU tests, grpo 1 GPU on GPU_A; bench_rollout and
 #                                                        # 1-GPU weight-sync benches on GPU_B (both default 0)
 #   bash tests/tools/gpu_checks.sh two OUTDIR [GPUS]         # grpo TP=2 and TP=1 x 2 replicas, 2-GPU sync benches
+#   bash tests/tools/gpu_checks.sh placements OUTDIR [GPUS]  # each script's vLLM path in each placement on 2 GPUs:
+#                                                        # grpo colocated (every sync checked) and split async, then
+#                                                        # ppo colocated (checked) beside dpo --online, 8 steps each
 #   bash tests/tools/gpu_checks.sh four OUTDIR [GPUS]        # grpo TP=2 x 2 replicas (FSDP over 4), 4-GPU sync benches
 #   bash tests/tools/gpu_checks.sh 7b OUTDIR GPUS TP         # grpo at the 7B shape, FSDP over GPUS, vLLM TP=TP: 10 steps
 #                                                        # with every sync checked, device memory sampled each second
@@ -164,6 +167,16 @@ elif [ "$mode" = two ]; then
   run grpo_2gpu_tp2 300 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g2_$mode
   run grpo_2gpu_tp1 300 $g torchrun --standalone --nproc_per_node 2 $GRPO --rollout-eager --rollout-tp 1 --output-dir /tmp/g3_$mode
   for s in 0.5b 1.5b 7b; do sync $s 2 $g; done
+elif [ "$mode" = placements ]; then
+  g=${3:-0,1}; first=${g%%,*}; second=${g##*,}
+  SHORT="$SMALL --steps 8 --eval-every 4 --rollout-eager $EXTRA"
+  run grpo_colocated 300 $g torchrun --standalone --nproc_per_node 2 grpo.py $SHORT --output-dir /tmp/pl_colocated
+  run grpo_split_async 300 $g torchrun --standalone --nproc_per_node 2 grpo.py ${SHORT/--check-weight-sync/} \
+    --rollout-ranks 1 --async-rollout --output-dir /tmp/pl_split
+  ( run ppo_colocated 300 $first torchrun --standalone --nproc_per_node 1 ppo.py $SHORT --output-dir /tmp/pl_ppo ) &
+  ( run dpo_online 300 $second torchrun --standalone --nproc_per_node 1 dpo.py --online ${SHORT/--check-weight-sync/} \
+      --output-dir /tmp/pl_dpo ) &
+  wait
 elif [ "$mode" = four ]; then
   g=${3:-0,1,2,3}
   run grpo_4gpu_tp2 300 $g torchrun --standalone --nproc_per_node 4 $GRPO --rollout-eager --rollout-tp 2 --output-dir /tmp/g4_$mode
