@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from common.data.prompts import (DEFAULT_EVAL_SIZE, check_eval_dataset, check_table, first_line, read_split,
-                                 train_eval_tables)
+from common.data.dataset_reader import check_eval_dataset, check_table, first_line, read_split, train_eval_tables
+from common.data.prompts import DEFAULT_EVAL_SIZE
 from common.data.synthetic import make_synthetic_pairs
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
