@@ -33,7 +33,7 @@ from common.rollout.rewards import RewardScorer, load_reward_fn
 from common.rollout.split import (STOP, behaviour_version, check_shapes, close_link, eval_versions, load_into_module,
                           recv_header, recv_object, recv_weights, send_header, send_object, send_weights,
                           staleness_metrics, stop_rollout_ranks, weight_versions)
-from common.rollout.tools import check_sandbox
+from common.rollout.tools import check_sandbox, needs_sandbox
 from common.rollout.vllm_engine import check_kv_width
 from common.run.distributed import (all_reduce_sum, decided_by_rank0, finish_distributed, max_over_ranks,
                                 raise_on_all_ranks)
@@ -179,7 +179,7 @@ def check_rollout_args(args, num_trainers: int) -> None:
         load_reward_fn(args.reward_fn)
     if wants_episodes(args):  # a bad --env / --tools too, and a machine where the python tool has no sandbox
         load_env_factory(args.env, args.tools, args.reward_fn)
-        if args.tools and "python" in args.tools.split(","):
+        if args.tools and needs_sandbox(args.tools):
             check_sandbox()
 
 
