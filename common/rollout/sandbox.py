@@ -237,6 +237,19 @@ def _read_until(fd: int, deadline: float, kept: bytearray, total: int) -> tuple[
     return total, False
 
 
+def _wait_gone(pid: int, deadline: float) -> None:
+    """Waits for the sandbox's PID 1 to be gone. bwrap returns as soon as the code's process exits; PID 1 then
+    dies with it (--die-with-parent), and the kernel kills the rest of the namespace before it reports PID 1 gone."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return
+    try:
+        select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+    finally:
+        os.close(pidfd)
+
+
 def run_in_sandbox(code: str, time_s: float = TIME_S, memory_mb: int = MEMORY_MB, processes: int = PROCESSES,
                    scratch_mb: int = SCRATCH_MB) -> tuple[int | None, bytes, int]:
     """Runs `code` in the sandbox. Returns (its exit status, None when it ran past time_s and was killed, 126 when
@@ -250,7 +263,7 @@ def run_in_sandbox(code: str, time_s: float = TIME_S, memory_mb: int = MEMORY_MB
             pass_fds=[info_write], preexec_fn=lambda: _enter(cgroup, memory_mb, time_s, scratch_mb))
         os.close(info_write)
         info_write = None
-        kept, fd = bytearray(), process.stdout.fileno()
+        kept, fd, info = bytearray(), process.stdout.fileno(), {}
         total, ended = _read_until(fd, time.monotonic() + time_s, kept, 0)
         if not ended:  # time is up: PID 1 of the sandbox takes every process of it along
             info = json.loads(os.read(info_read, 4096) or b"{}") if select.select([info_read], [], [], GRACE_S)[0] \
@@ -264,10 +277,13 @@ def run_in_sandbox(code: str, time_s: float = TIME_S, memory_mb: int = MEMORY_MB
             process.kill()
             status = process.wait()
         process.stdout.close()
+        if ended and select.select([info_read], [], [], 0)[0]:  # bwrap wrote it before starting the code
+            info = json.loads(os.read(info_read, 4096) or b"{}")
+        if "child-pid" in info:
+            _wait_gone(info["child-pid"], time.monotonic() + GRACE_S)
         if not ended:
             return None, bytes(kept), total
-        started = select.select([info_read], [], [], 0)[0] and os.read(info_read, 4096)
-        if not started:  # bwrap failed before the code ran: its message is the output
+        if "child-pid" not in info:  # bwrap failed before the code ran: its message is the output
             return 126, b"sandbox: " + bytes(kept), total
         return status, bytes(kept), total
     finally:
