@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from common.rollout.environments import EnvWorkers  # noqa: E402
 from common.rollout.tools import run_sandboxed  # noqa: E402
 
-COMPUTE_50MS = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.05:\n    pass\nprint(1)\n"
+COMPUTE_50MS = ("import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.05:\n    pass\n"
+                "print(1)\n")
 
 
 def tools_before(commit: str, directory: str) -> tuple[str, types.ModuleType]:

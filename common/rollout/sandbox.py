@@ -42,7 +42,8 @@ INSTALL = "install the bubblewrap package (apt-get install bubblewrap)"
 PRELUDE = ("import resource, sys\n"
            "resource.setrlimit(resource.RLIMIT_NPROC, ({processes}, {processes}))\n"
            "code = sys.argv.pop(1)\n"
-           "sys.excepthook = lambda kind, error, tb: sys.__excepthook__(kind, error.with_traceback(tb.tb_next), tb.tb_next)\n"
+           "sys.excepthook = lambda kind, error, tb: sys.__excepthook__(kind, error.with_traceback(tb.tb_next),\n"
+           "                                                        tb.tb_next)\n"
            "exec(compile(code, '<string>', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})\n")
 
 
