@@ -234,16 +234,18 @@ def test_memory_is_capped_for_the_call_not_per_process():
 def test_a_flood_of_output_keeps_the_caller_small():
     # 2 GiB printed: the caller keeps a bounded buffer, and the model reads the start and how much was cut.
     probe = subprocess.run(
-        [sys.executable, "-c", "import resource; from common.rollout.tools import run_sandboxed; "
+        [sys.executable, "-c", "from common.rollout.tools import run_sandboxed; "
                                "status, output = run_sandboxed('import sys\\nfor _ in range(32): "
                                "sys.stdout.buffer.write(b\"y\" * (64 << 20))', time_s=60); "
                                "print(len(output), output[-200:].replace(chr(10), ' ')); "
-                               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
+                               "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr
     summary, peak_kb = probe.stdout.splitlines()
     assert int(summary.split()[0]) < 3000 and "2147483648" in summary, summary
-    assert int(peak_kb) < 300 << 10, peak_kb  # under 300 MB: the interpreter and the buffer, not the 2 GiB
+    # under 300 MB: the interpreter and the buffer, not the 2 GiB (VmHWM, not ru_maxrss: that one keeps the peak of
+    # the pytest process the probe was forked from)
+    assert int(peak_kb) < 300 << 10, peak_kb
 
 
 # ---------------------------------------------------------------------------------------------------------------
