@@ -1,5 +1,6 @@
 """common/rollout/tools.py: the calculator is exact and never evaluates code; the python tool's sandbox really isolates (no
-network, limits, an empty environment, a private directory removed afterwards); tool files load with their schemas."""
+network, limits, an empty environment, a scratch of its own gone with the call; tests/test_sandbox.py attacks it);
+tool files load with their schemas."""
 
 import os
 import socket
@@ -57,18 +58,19 @@ def test_the_sandbox_limits_memory_and_time():
 
 def test_the_sandbox_starts_empty_and_leaves_nothing(monkeypatch):
     monkeypatch.setenv("NANORL_TEST_SECRET", "do-not-leak")
+    name = f"made_here_{os.getpid()}.txt"
     status, output = run_sandboxed(
-        "import os, sys; open('made_here.txt', 'w').write('x'); print(os.getcwd()); print(dict(os.environ)); "
+        f"import os, sys; open('{name}', 'w').write('x'); print(os.getcwd()); print(dict(os.environ)); "
         "print(os.environ['HOME'] == os.getcwd())")
     workdir, environment, home_is_cwd = output.splitlines()
     assert status == 0 and home_is_cwd == "True"
     assert "do-not-leak" not in environment and "NANORL" not in environment
-    assert os.path.basename(workdir).startswith("nanorl-python-") and not os.path.exists(workdir)
+    assert workdir == "/tmp" and not os.path.exists(f"/tmp/{name}")  # its own /tmp, gone with the call
 
 
 def test_output_is_cut_for_the_model():
     status, output = run_sandboxed("print('x' * 10000)")
-    assert status == 0 and len(output) < 2100 and output.endswith("[10001 characters]")
+    assert status == 0 and len(output) < 2100 and output.endswith("[10001 bytes in all, the first 2000 characters shown]")
 
 
 def test_check_sandbox_passes_here():

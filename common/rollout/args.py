@@ -10,7 +10,7 @@ from typing import Literal
 from common.rollout.engines import resolve_engine_kind
 from common.rollout.environments import load_env_factory
 from common.rollout.rewards import load_reward_fn
-from common.rollout.tools import check_sandbox
+from common.rollout.tools import check_sandbox, needs_sandbox
 from common.rollout.vllm_engine import check_kv_width
 from common.run.cli import check_ranges
 from common.train.model import model_config, pick_precision
@@ -149,7 +149,7 @@ def check_rollout_args(args, num_trainers: int) -> None:
         load_reward_fn(args.reward_fn)
     if wants_episodes(args):  # a bad --env / --tools too, and a machine where the python tool has no sandbox
         load_env_factory(args.env, args.tools, args.reward_fn)
-        if args.tools and "python" in args.tools.split(","):
+        if args.tools and needs_sandbox(args.tools):
             check_sandbox()
 
 

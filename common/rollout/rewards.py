@@ -269,12 +269,24 @@ class _OtherValue:
         return self.text
 
 
+# Variables a process that handles model output must not hold: credentials by name, and W&B's and the clouds' own.
+CREDENTIAL = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|COOKIE|^(WANDB|AWS|AZURE|GOOGLE|GCP|GCLOUD|CLOUDSDK)_"
+                        r"|^(NETRC|SSH_AUTH_SOCK)$", re.IGNORECASE)
+
+
+def without_credentials(environment) -> dict:
+    """The environment for reward and environment processes: all but credentials (what they need stays: PATH,
+    PYTHONPATH, HF_HOME, the CUDA and thread settings)."""
+    return {k: v for k, v in environment.items() if not CREDENTIAL.search(k)}
+
+
 class WorkerProcess:
     """One reward process and the call it is working on (common/rollout/environments.py's processes are these too, running
     `module`'s worker_main)."""
 
     def __init__(self, spec: str, module: str = "common.rollout.rewards"):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        env = {**without_credentials(os.environ),
+               "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
             [sys.executable, "-c", f"from {module} import worker_main; worker_main()", spec, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)

@@ -9,29 +9,22 @@ mistake to learn from, not a crash of the run.
 Built in:
 - `calculator`: exact arithmetic on + - * / // % ** and parentheses, parsed with `ast` (never `eval`): integers
   and fractions stay exact, huge powers are refused.
-- `python`: runs model-written code in a sandbox (`run_sandboxed`): a separate process in new user and network
-  namespaces (no network at all), with a CPU-time limit, a wall-clock limit, a memory limit, a file-size limit, an
-  empty environment and a private temporary directory as its working and home directory, removed afterwards. It can
-  still read (and write) what the user running training can elsewhere on the file system: no chroot.
+- `python`: runs model-written code in a bubblewrap sandbox (common/rollout/sandbox.py, docs/sandbox.md): it sees
+  the interpreter and its standard library read-only and a fresh capped scratch, nothing of the host's files,
+  network or processes; the whole call is bounded in time, memory, processes and output, and nothing outlives it.
 """
 
 import ast
-import ctypes
 import importlib.util
 import inspect
 import operator
-import os
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from fractions import Fraction
 from pathlib import Path
 
-PYTHON_TIME_S = 10.0  # wall-clock seconds one python call may take (its CPU time too)
-PYTHON_MEMORY_MB = 1024  # address space of one python call
+from common.rollout.sandbox import INSTALL, MEMORY_MB, TIME_S, run_in_sandbox
+
+PYTHON_TIME_S = TIME_S  # wall-clock seconds one python call may take (its CPU time too)
+PYTHON_MEMORY_MB = MEMORY_MB  # all processes of one call together (a cgroup), else each (docs/sandbox.md)
 OUTPUT_CHARS = 2000  # what the model reads of a call's output, at most
 
 
@@ -74,50 +67,16 @@ def calculator(expression: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# python, sandboxed
-
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-
-
-def _enter_sandbox(memory_mb: int, cpu_s: int) -> None:
-    """In the child, before the interpreter starts: its own process group (a time-out kills all it started), new
-    user and network namespaces (only a loopback that is down: no network), and resource limits."""
-    os.setsid()
-    if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        os.write(2, f"sandbox: unshare failed: {os.strerror(ctypes.get_errno())}\n".encode())
-        os._exit(126)
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
+# python, sandboxed (common/rollout/sandbox.py)
 
 def run_sandboxed(code: str, time_s: float = PYTHON_TIME_S, memory_mb: int = PYTHON_MEMORY_MB) -> tuple[int | None, str]:
-    """Runs `code` with this interpreter in the sandbox the module docstring describes. Returns (exit code, or None
-    when it ran past time_s and was killed; its stdout and stderr, cut to OUTPUT_CHARS)."""
-    workdir = tempfile.mkdtemp(prefix="nanorl-python-")
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-c", code], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            preexec_fn=lambda: _enter_sandbox(memory_mb, max(1, int(time_s) + 1)))
-        try:
-            output, _ = process.communicate(timeout=time_s)
-            code_ = process.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            code_ = None
-        try:  # whatever the code started in its group and left running
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    """Runs `code` in the sandbox (common/rollout/sandbox.py). Returns (exit code, None when it ran past time_s and
+    was killed; its stdout and stderr, cut to OUTPUT_CHARS with how many bytes there were in all)."""
+    status, output, total = run_in_sandbox(code, time_s=time_s, memory_mb=memory_mb)
     text = output.decode(errors="replace")
-    return code_, text if len(text) <= OUTPUT_CHARS else text[:OUTPUT_CHARS] + f"\n... [{len(text)} characters]"
+    if total > len(output) or len(text) > OUTPUT_CHARS:
+        text = text[:OUTPUT_CHARS] + f"\n... [{total} bytes in all, the first {OUTPUT_CHARS} characters shown]"
+    return status, text
 
 
 def python(code: str) -> str:
@@ -137,12 +96,18 @@ def python(code: str) -> str:
 
 
 def check_sandbox() -> None:
-    """One line, before a run starts, where this machine cannot give the python tool its sandbox (no user
-    namespaces: some clusters disable them)."""
+    """One line, before a run starts, where this machine cannot give the python tool its sandbox: no bubblewrap, or
+    no user namespaces (some clusters disable them)."""
     status, output = run_sandboxed("print('ok')", time_s=30)
     if status != 0 or output.strip() != "ok":
         raise RuntimeError(f"the python tool's sandbox does not work on this machine ({output.strip()[:200]}): it "
-                           f"needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)")
+                           f"needs bubblewrap ({INSTALL}) and unprivileged user namespaces "
+                           f"(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
+
+
+def needs_sandbox(spec: str) -> bool:
+    """Whether the tools of a --tools list include python, however the list is written ("calculator, python")."""
+    return python in load_tools(spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------
