@@ -300,7 +300,7 @@ def test_two_concurrent_calls_are_blind_to_each_other():
 def test_any_tools_list_with_python_is_checked_at_start(tmp_path):
     # A machine where the sandbox cannot work (here: user namespaces disabled under bubblewrap): --tools python
     # stops at start-up however the list is written.
-    script = ("import sys\nfrom grpo import Args, resolve_defaults\nfrom common.rollout.rollouts import "
+    script = ("import sys\nfrom grpo import Args, resolve_defaults\nfrom common.rollout.args import "
               "check_rollout_args\nargs = Args(tools=sys.argv[1], reward_fn='none')\nresolve_defaults(args)\n"
               "check_rollout_args(args, 1)\n")
     for tools in ["python", "calculator, python", " python ,calculator"]:
