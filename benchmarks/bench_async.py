@@ -32,7 +32,7 @@ from bench_sync import report  # same folder
 ROOT = Path(__file__).resolve().parents[1]
 
 REWARD = """import zlib
-from common.rollout.rewards import math_reward
+from common.rollout.reward_fns import math_reward
 
 def reward(prompt, completion, answer):
     h = zlib.crc32(completion.encode())

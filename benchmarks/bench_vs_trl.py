@@ -266,7 +266,7 @@ def trl_worker(args) -> None:
         from trl import GRPOConfig, GRPOTrainer
 
         from common.data.prompts import formatted_conversation, load_train_eval
-        from common.rollout.rewards import load_reward_fn
+        from common.rollout.reward_fns import load_reward_fn
 
         train_rows, eval_rows = load_train_eval(args.data, args.prompt_key, args.answer_key, eval_size=args.eval_size,
                                                 seed=args.seed)

@@ -151,7 +151,7 @@ def test_export_loads_back_as_it_trained(builtin_sync_run):
     from transformers import AutoTokenizer
 
     from common.data.prompts import load_train_eval
-    from common.rollout.rewards import load_reward_fn
+    from common.rollout.reward_fns import load_reward_fn
     from common.train.model import load_tokenizer
 
     _, run = builtin_sync_run

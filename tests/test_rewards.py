@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from common.rollout.rewards import (RewardError, RewardScorer, checked_reward, gsm8k_reward, last_boxed, load_reward_fn,
-                            math_reward)
+from common.rollout.reward_fns import gsm8k_reward, last_boxed, load_reward_fn, math_reward
+from common.rollout.rewards import RewardError, RewardScorer, checked_reward
 
 GSM8K_ANSWER = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"

@@ -9,7 +9,7 @@ from typing import Literal
 
 from common.rollout.engines import resolve_engine_kind
 from common.rollout.environments import load_env_factory
-from common.rollout.rewards import load_reward_fn
+from common.rollout.reward_fns import load_reward_fn
 from common.rollout.tools import check_sandbox, needs_sandbox
 from common.rollout.vllm_engine import check_kv_width
 from common.run.cli import check_ranges

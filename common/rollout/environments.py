@@ -50,8 +50,9 @@ import traceback
 from pathlib import Path
 
 from common.data.synthetic import LookupEnv
-from common.rollout.rewards import (WorkerProcess, checked_reward, load_reward_fn, read_exactly, send_bytes,
-                                    send_message, worker_setup)
+from common.rollout.reward_fns import load_reward_fn
+from common.rollout.rewards import (WorkerProcess, checked_reward, read_exactly, send_bytes, send_message,
+                                    worker_setup)
 from common.rollout.tools import load_tools, tool_schema
 from common.run import errors
 
