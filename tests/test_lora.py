@@ -393,3 +393,18 @@ def test_the_adapter_check_reads_vllm_lora_layout():
     assert [vllm_max_rank(n) for n in (4, 8, 17, 512)] == [8, 8, 32, 512]
     with pytest.raises(ValueError, match="--lora-rank 600: vLLM's LoRA layers take ranks up to 512"):
         vllm_max_rank(600)
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("grpo.py", ["--prompts-per-step", "8", "--group-size", "4"]),
+    ("ppo.py", ["--prompts-per-step", "8", "--group-size", "4"]),
+    ("dpo.py", ["--pairs-per-step", "8"])])
+def test_every_script_trains_adapters_with_lora_rank(tmp_path, script, flags):
+    """--lora-rank in each script after the README's install: two steps train the adapters alone, and the export is
+    PEFT's adapter directory (its A and B matrices, nothing of the base)."""
+    out = tmp_path / "run"
+    result = torchrun(["--lora-rank", "4", "--steps", "2", "--eval-size", "8", "--eval-every", "0", *flags,
+                       "--output-dir", str(out)], tmp_path, script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapters = _safetensors(out / "hf_step_2" / "adapter_model.safetensors")
+    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters), list(adapters)[:5]
