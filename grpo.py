@@ -44,11 +44,13 @@ from common.run.signals import install_stop_handlers, stop_agreed
 from common.train.batching import (batching_metrics, empty_backward, mini_batches, pad_rows,
                                    plan_equal_micro_batches, share_samples_evenly, shuffle_generator)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
-                                   rollout_mismatch_metrics, sample_lengths)
+                                   sample_lengths)
 from common.train.loading import load_policy, load_reference
 from common.train.lora import LoraArgs, adapters_off, check_lora_args, default_lr
 from common.train.model import load_tokenizer, model_config
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
+from common.train.off_policy import (CorrectionArgs, importance_weights, reject_mismatched_sequences,
+                                     rollout_mismatch_metrics)
 from common.train.optim import clip_and_step, make_optimizer
 
 
@@ -56,14 +58,15 @@ from common.train.optim import clip_and_step, make_optimizer
 #   rollout (rollouts.next_batch): prompt_ids, response_ids, logprobs (the engine's, None on steps that do not ask
 #     for them), finished (ended at a stop token), reward, version (of the weights that generated it); with --env /
 #     --tools also response_mask (0 on observation tokens), turns, tool_calls, tool_errors, env_seconds,
-#     env_timeout; a mixture of experts with --routing-replay: routes
+#     env_timeout; a mixture of experts with --routing-replay: routes; with --partial-rollouts: versions (the
+#     weight version of each run of tokens: [[version, tokens], ...]; "version" is the first token's)
 #   advantages (add_group_advantages): advantage, loss_weight (0 for a group whose rewards are all equal)
 #   log-probs (step 4): old_logprobs (with one optimizer step per batch: in update_policy, from the update's own
-#     forward pass), ref_logprobs (--kl-coef above 0)
+#     forward pass), ref_logprobs (--kl-coef above 0); rejected (--off-policy-correction mis: loss_weight set to 0)
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingReplayArgs):
+class Args(RunArgs, RolloutArgs, CorrectionArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingReplayArgs):
     # model (the data flags are PromptDataArgs's, common/data/prompts.py)
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -100,14 +103,6 @@ class Args(RunArgs, RolloutArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingRepla
     """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
     epochs: int = 1
     """passes over each rollout batch"""
-    tis_cap: float | None = None
-    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) against the rollout
-    engine's numerical mismatch and its older weights with --async-rollout; unset: off, or 2 with --async-rollout"""
-    logprob_diff_every: int = 10
-    """measure rollout/logprob_diff (how far the rollout engine's log-probs of the sampled tokens are from the
-    trainer's) on the first step and every this many after (0: never); vLLM's per-token bookkeeping of its log-probs
-    costs about a quarter of a small model's rollout time. --tis-cap needs them: every step then"""
-
     # evaluation, checkpoints, logging
     eval_every: int = 25
     """greedy evaluation on the held-out prompts every this many steps (and before and after training)"""
@@ -195,8 +190,8 @@ def one_step_per_batch(args: Args) -> bool:
     """One optimizer step per rollout batch: the old policy of the PPO ratio (the trainer's weights before the
     update) is the policy being updated, so the ratio is exactly 1 and the old log-probs need no pass of their own
     (as in TRL's GRPOTrainer). With --async-rollout the samples come from an older policy all the same; TIS weighs
-    that, against these log-probs."""
-    return args.epochs == 1 and args.num_mini_batches == 1
+    that, against these log-probs. mis rejects responses before the update: their log-probs need a pass first."""
+    return args.epochs == 1 and args.num_mini_batches == 1 and not (args.tis_cap and args.off_policy_correction == "mis")
 
 
 def update_policy(model, optimizer, samples: list[dict], args: Args, world: int, device, generator) -> dict[str, float]:
@@ -204,7 +199,7 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
     runs as packed token-budget micro-batches; the loss normalisers count the whole mini-batch on all ranks, so the
     gradient does not depend on how it is split. Samples are shuffled with `generator` each epoch (None keeps their
     order). Returns this rank's sums of the update's statistics."""
-    (batch_tokens,) = all_reduce_sum([model_tokens(samples)], device)  # all groups
+    (batch_tokens,) = all_reduce_sum([model_tokens([s for s in samples if "rejected" not in s])], device)  # all groups
     samples = [s for s in samples if s["loss_weight"] > 0]  # no signal: exact zeros in every sum, so no passes
     sums = dict.fromkeys(["loss", "pg_clipfrac", "kl", "entropy", "tokens", "grad_norm", "opt_steps", "skipped"], 0.0)
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):  # the same count on every rank
@@ -232,8 +227,9 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
             advantages = torch.tensor([[s["advantage"]] for s in micro], device=device)  # [n, 1]
             ref = pad_rows([s["ref_logprobs"] for s in micro]).to(device) if "ref_logprobs" in micro[0] else None
             tis = None
-            if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
-                tis = (old - pad_rows([s["logprobs"] for s in micro]).to(device)).exp().clamp(max=args.tis_cap)
+            if args.tis_cap is not None:  # from p_trainer / p_rollout on the sampled tokens (--off-policy-correction)
+                tis = importance_weights(old, pad_rows([s["logprobs"] for s in micro]).to(device),
+                                         args.off_policy_correction, args.tis_cap)
             token_loss, clipped, kl = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high,
                                                   ref, args.kl_coef, tis)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, norm, totals["seqs"], args.max_response_len)
@@ -352,6 +348,9 @@ def main(args: Args):
                 for s, lp in zip(with_signal, compute_logprobs(policy, with_signal, budget, args.temperature,
                                                                device)):
                     s["old_logprobs"] = lp
+                if args.tis_cap and args.off_policy_correction == "mis":  # responses too far off: no part in the loss
+                    metrics["tis/rejected"] = all_reduce_sum([reject_mismatched_sequences(samples, args.tis_cap)],
+                                                             device)[0]
             if args.kl_coef > 0:
                 with adapters_off(policy):  # with LoRA: the base model, the reference
                     for s, lp in zip(with_signal, compute_logprobs(reference or policy, with_signal, budget,

@@ -47,11 +47,12 @@ from common.run.signals import install_stop_handlers, stop_agreed
 from common.train.batching import (batching_metrics, empty_backward, mini_batches, pad_rows,
                                    plan_equal_micro_batches, share_samples_evenly, shuffle_generator)
 from common.train.logprobs import (compute_logprobs, model_token_mask, model_tokens, packed_response_logprobs,
-                                   rollout_mismatch_metrics, sample_lengths)
+                                   sample_lengths)
 from common.train.loading import load_critic_model, load_frozen_reward_model, load_policy, load_reference
 from common.train.lora import LoraArgs, adapters_off, check_lora_args, default_lr
 from common.train.model import load_tokenizer, model_config
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
+from common.train.off_policy import rollout_mismatch_metrics
 from common.train.offload import Offloader
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.stats import explained_variance, masked_whiten

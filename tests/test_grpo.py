@@ -89,18 +89,27 @@ def fixed_batch(num_samples: int = 8):
     return samples
 
 
-def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str, episodes: bool = False):
+def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str, episodes: bool = False,
+                correction: str | None = None):
     init_gloo(rank, world, port)
     model = shard_model(tiny_model(), torch.device("cpu"))
     # Different token budgets per world size: the split into micro-batches must not change the gradient.
-    args = grpo.Args(loss_agg=loss_agg, max_tokens_per_micro_batch=12 if world == 2 else 40, num_mini_batches=2,
-                     max_response_len=7 if episodes else 4)
+    # (mis: one mini-batch, as the rejected samples leave each rank's list and would change which samples share one)
+    args = grpo.Args(loss_agg=loss_agg, max_tokens_per_micro_batch=12 if world == 2 else 40,
+                     num_mini_batches=1 if correction == "mis" else 2,
+                     max_response_len=7 if episodes else 4, tis_cap=correction and 2.0,
+                     off_policy_correction=correction or "tis")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # not Adam: Adam hides a wrong gradient scale
     # Rank r takes samples r, r + world, ...: with no shuffle, mini-batch k then holds the same global samples
     # for 1 and 2 ranks.
     samples = (episode_batch(0.0) if episodes else fixed_batch())[rank::world]
     for s, lp in zip(samples, compute_logprobs(model, samples, 16, args.temperature, torch.device("cpu"))):
         s["old_logprobs"] = lp - 0.05
+        if correction:  # the engine's log-probs of a response continued over versions: off by up to 1.2 a token
+            s["logprobs"] = (s["old_logprobs"] + torch.tensor([0.3, -1.2, 0.1, 0.9, -0.4])[:len(lp)]
+                             * (1 + len(s["prompt_ids"]) % 2)).tolist()
+    if correction == "mis":
+        grpo.reject_mismatched_sequences(samples, args.tis_cap)
     stats = grpo.update_policy(model, optimizer, samples, args, world, torch.device("cpu"), generator=None)
     loss = torch.tensor([stats["loss"]], dtype=torch.float64)
     dist.all_reduce(loss)
@@ -111,12 +120,16 @@ def update_once(rank: int, world: int, port: int, loss_agg: str, out_dir: str, e
 
 
 
-@pytest.mark.parametrize("loss_agg, episodes", [("all-token-mean", False), ("token-mean", False),
-                                                ("seq-mean-token-mean", False), ("all-token-mean", True)])
-def test_two_ranks_match_one_rank(tmp_path, loss_agg, episodes):
-    """Also with multi-turn episodes (observation tokens masked), whose token counts differ from their lengths."""
+@pytest.mark.parametrize("loss_agg, episodes, correction", [
+    ("all-token-mean", False, None), ("token-mean", False, None), ("seq-mean-token-mean", False, None),
+    ("all-token-mean", True, None), ("all-token-mean", False, "tis"), ("all-token-mean", False, "icepop"),
+    ("all-token-mean", False, "mis"), ("token-mean", False, "decoupled")])
+def test_two_ranks_match_one_rank(tmp_path, loss_agg, episodes, correction):
+    """Also with multi-turn episodes (observation tokens masked), whose token counts differ from their lengths, and
+    with each off-policy correction on engine log-probs of continued responses (mis rejects some of them)."""
     for world in (1, 2):
-        launcher.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path), episodes), nprocs=world)
+        launcher.spawn(update_once, args=(world, free_port(), loss_agg, str(tmp_path), episodes, correction),
+                       nprocs=world)
     one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
     initial = dict(tiny_model().named_parameters())

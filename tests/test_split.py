@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.train.logprobs import mismatch_metrics
+from common.train.off_policy import mismatch_metrics
 from common.rollout.split import (behaviour_version, check_shapes, eval_versions, plan_buckets, recv_object,
                                   recv_weights, send_object, staleness_metrics, weight_versions)
 import launcher

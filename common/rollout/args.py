@@ -11,7 +11,7 @@ from common.rollout.engines import resolve_engine_kind
 from common.rollout.environments import load_env_factory
 from common.rollout.reward_fns import load_reward_fn
 from common.rollout.tools import check_sandbox, needs_sandbox
-from common.rollout.vllm_engine import check_kv_width
+from common.rollout.vllm_memory import check_kv_width
 from common.run.cli import check_ranges
 from common.train.model import model_config, pick_precision
 from sharding.vllm_moe import check_moe_mapped
@@ -75,7 +75,14 @@ class RolloutArgs:
     """with --rollout-ranks: generate the next batch while the trainers train on this one (one update behind; GRPO
     and PPO correct it with --tis-cap)"""
     max_staleness: int = 1
-    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be"""
+    """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be; with
+    --partial-rollouts: how many updates behind the trainer a trained sample's first token may be (prompts are
+    admitted only while that holds, so up to 1 + this many batches of prompts are in flight)"""
+    partial_rollouts: bool = False
+    """a rollout ends once it holds the step's complete groups, not when its longest response ends: the responses
+    still running are kept with their tokens and log-probs and continued after the next weight sync, new prompts
+    admitted within --max-staleness (colocated; common/rollout/partial.py). GRPO and PPO correct for the older
+    tokens with --tis-cap"""
     env: str | None = None
     """multi-turn episodes: path/to/env.py:make_env (an environment per episode, built from its dataset row; the
     protocol is in common/rollout/environments.py) or lookup (the built-in task with its largest number hidden behind a
@@ -105,7 +112,7 @@ def default_response_len(args) -> int:
 
 def fill_rollout_defaults(args) -> None:
     """The rollout flags left unset: the engine (vLLM where CUDA and vllm are), 2 reward processes per rank with
-    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async rollouts, one
+    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async or partial rollouts, one
     token per turn for --env lookup, and --precision auto (common/train/model.py's pick_precision)."""
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
     if args.env == "lookup" and args.max_turn_len is None:
@@ -113,8 +120,8 @@ def fill_rollout_defaults(args) -> None:
     args.precision = pick_precision(args.precision, args.model)
     if args.reward_workers is None:
         args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
-    if args.async_rollout and getattr(args, "tis_cap", 0) is None:  # scripts whose loss uses importance ratios
-        args.tis_cap = 2.0
+    if (args.async_rollout or args.partial_rollouts) and getattr(args, "tis_cap", 0) is None:  # scripts whose
+        args.tis_cap = 2.0  # loss uses importance ratios
 
 
 def check_rollout_args(args, num_trainers: int) -> None:
@@ -138,6 +145,16 @@ def check_rollout_args(args, num_trainers: int) -> None:
                          f"{args.rollout_ranks}")
     if args.async_rollout and not args.rollout_ranks:
         raise ValueError("--async-rollout needs --rollout-ranks K: ranks that generate while the others train")
+    if args.partial_rollouts and not hasattr(args, "tis_cap"):
+        raise ValueError("--partial-rollouts trains responses sampled by older weights, which needs a loss with "
+                         "importance weights: grpo.py or ppo.py")
+    if args.partial_rollouts:
+        not_yet = [flag for flag, on in [("--rollout-ranks", args.rollout_ranks), ("--env / --tools", wants_episodes(args)),
+                                         ("--rollout-tp above 1", args.rollout_tp > 1),
+                                         ("--routing-replay", getattr(args, "routing_replay", False))] if on]
+        if not_yet:
+            raise ValueError(f"--partial-rollouts works colocated, one rollout replica per rank, single-turn: not "
+                             f"yet with {', '.join(not_yet)}")
     if args.check_weight_sync and args.rollout_ranks:
         raise ValueError("--check-weight-sync compares a colocated engine's weights with the trainer's on the same "
                          "rank; with --rollout-ranks no rank holds both (check a colocated run of the same model)")
@@ -157,8 +174,10 @@ def check_rollout_args(args, num_trainers: int) -> None:
 
 def sequences_at_once(args, world: int, num_eval: int) -> int:
     """The most sequences one vLLM replica holds at once (what its KV cache is sized for by default): its ranks'
-    prompts of a step times --group-size, or their share of the held-out prompts (one greedy response each)."""
-    return args.rollout_tp * max(args.prompts_per_step // world * args.group_size, -(-num_eval // world))
+    prompts of a step times --group-size (with --partial-rollouts: of 1 + --max-staleness steps), or their share of
+    the held-out prompts (one greedy response each)."""
+    steps = 1 + args.max_staleness if getattr(args, "partial_rollouts", False) else 1
+    return args.rollout_tp * max(args.prompts_per_step // world * args.group_size * steps, -(-num_eval // world))
 
 
 def wants_episodes(args) -> bool:
@@ -172,5 +191,5 @@ def wants_rollout_logprobs(args, step: int) -> bool:
     loss needs them), else every --logprob-diff-every steps from the first, for the rollout/logprob_diff metric
     (scripts without that flag never do). They are not free: vLLM's per-token bookkeeping of them is about a quarter
     of a small model's rollout time."""
-    every = getattr(args, "logprob_diff_every", 0)
+    every = getattr(args, "logprob_diff_every", 0)  # (--partial-rollouts sets --tis-cap)
     return getattr(args, "tis_cap", None) is not None or (every > 0 and (step - 1) % every == 0)

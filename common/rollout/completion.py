@@ -15,3 +15,18 @@ class Completion:
     finished: bool  # ended on a stop token (False: cut at max_tokens)
     routes: object = None  # MoE with --routing-replay: the experts each token went through, [prompt + response - 1,
     # layers, top_k] (vLLM's layout: the last token never went through the model), as a torch int16 tensor
+
+
+@dataclass
+class Request:
+    """One response to generate, or to go on generating, in a partial rollouts' phase (common/rollout/partial.py).
+
+    prompt_ids: the prompt and the response's tokens so far (re-prefilled under the engine's current weights);
+    max_tokens: what is left of the response's budget. seed and position (the tokens already generated) name each
+    sampled token's random draw on the HF engine, so that a response continued in a later phase under unchanged
+    weights samples exactly what it would have in one go."""
+    key: object
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int
+    position: int = 0

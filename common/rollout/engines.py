@@ -1,8 +1,10 @@
 """Rollout engines: turn prompt token ids into sampled responses with their log-probs.
 
-Every engine has the same five methods, so the training loop never knows which one it drives:
+Every engine has the same six methods, so the training loop never knows which one it drives:
 `generate` (token ids in, token ids and, if asked, sampled-token log-probs out; each prompt's group also goes to an
 optional `on_finish(index, completions)` as soon as it is complete, to be scored while the rest generate),
+`generate_until` (partial rollouts: generates `Request`s until a phase's `stop()` holds and returns the responses it
+cut, to be continued in a later phase; common/rollout/partial.py),
 `run_turns` (multi-turn episodes: one turn per request, new requests arriving while others generate; see
 common/rollout/episodes.py),
 `update_weights` (bring the trainer's latest weights in), `sleep` (free memory while training) and `check_weights`
@@ -15,12 +17,15 @@ one is built, so this module imports anywhere. Both return `Completion`s (common
 import contextlib
 import importlib.util
 import itertools
+import math
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import LogitsProcessor, StoppingCriteria
 
-from common.rollout.completion import Completion
+from common.rollout.completion import Completion, Request
 from common.rollout.vllm_engine import VLLMRolloutEngine
 from common.run.distributed import max_over_ranks
 from common.run.errors import user_error
@@ -114,6 +119,40 @@ class HFRolloutEngine:
         finally:
             self.stop_token_ids = stops
 
+    @torch.no_grad()
+    def generate_until(self, requests: list[Request], temperature: float, top_p: float, on_finish, stop,
+                       logprobs: bool = True) -> tuple[dict, list[tuple[float, int]]]:
+        """Generates every request in one batch until it ends (a stop token or its max_tokens: on_finish(key,
+        completion) at once) or until stop(), asked after every decode step, holds. Returns ({key: the Completion
+        of the tokens generated so far} for the requests stop() cut, [(seconds, requests still running)] after each
+        decode step). Sampling is SeededSampling's: each token's draw depends on its request's seed and position
+        only, so a cut response continued later under the same weights is the response generated in one go."""
+        device, dummy = next(self.model.parameters()).device, not requests or stop()
+        if dummy:  # nothing to generate here, but FSDP's forward passes are collective: one token of a dummy
+            requests, on_finish = [Request(None, [self.pad_token_id], 1, 0)], lambda key, completion: None
+        longest = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, r in enumerate(requests):  # left-padded, as in generate
+            input_ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            attention_mask[i, longest - len(r.prompt_ids):] = 1
+        sampler = SeededSampling(requests, temperature, top_p, longest)
+        phase = PhaseEnd(requests, self.stop_token_ids, longest, sampler, on_finish, stop, logprobs)
+        was_training, attention = self.model.training, self.model.config._attn_implementation
+        self.model.eval()
+        self.model.set_attn_implementation("sdpa")
+        with non_finite_logits_named():
+            self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
+                max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=self.stop_token_ids,
+                pad_token_id=self.pad_token_id, logits_processor=[sampler], stopping_criteria=[phase],
+                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)  # see generate
+        self.model.train(was_training)
+        self.model.set_attn_implementation(attention)
+        if hasattr(self.model, "reshard"):
+            self.model.reshard()
+        return ({}, []) if dummy else (phase.cut(), phase.running)
+
     def update_weights(self, model) -> dict[str, float]:
         return {}  # generates with the trained model itself
 
@@ -179,3 +218,77 @@ def make_rollout_engine(kind: str, model, model_path: str, tokenizer, stop_token
                                  sleep_level=sleep_level, dtype=dtype, max_sequences=max_sequences, lora=lora,
                                  record_routes=record_routes)
     raise ValueError(f"--rollout-engine must be auto, hf or vllm, got {kind!r}")
+
+
+class SeededSampling(LogitsProcessor):
+    """Samples each token from softmax(logits / temperature), top-p filtered, by the Gumbel-max trick with noise
+    drawn from a generator seeded by (request seed, position in the response): argmax(log p + Gumbel noise) is a
+    draw from p. A token's draw thus depends on its request and place alone, not on the batch it is generated in.
+    Returns scores whose argmax is the sampled token (for generate's greedy step); `logprobs[i]` collects request
+    i's sampled-token log-probs under the filtered distribution."""
+
+    def __init__(self, requests: list[Request], temperature: float, top_p: float, prompt_len: int):
+        self.requests, self.temperature, self.top_p, self.prompt_len = requests, temperature, top_p, prompt_len
+        self.logprobs: list[list[float]] = [[] for _ in requests]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_len  # tokens generated in this call so far
+        logp = F.log_softmax(top_p_filtered(scores.float() / self.temperature, self.top_p), dim=-1)  # [batch, vocab]
+        noise = torch.stack([gumbel_noise(r.seed, r.position + step, scores.shape[-1]) for r in self.requests])
+        chosen = (logp + noise.to(logp.device)).argmax(dim=-1)  # [batch]
+        for i, lp in enumerate(logp.gather(-1, chosen[:, None]).squeeze(-1).tolist()):
+            self.logprobs[i].append(lp)
+        return torch.full_like(scores, -math.inf).scatter_(-1, chosen[:, None], 0.0)
+
+
+def top_p_filtered(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [batch, vocab] with -inf outside the smallest set of tokens whose probability reaches top_p."""
+    if top_p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    outside = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before this one already reach top_p
+    return logits.scatter(-1, order, sorted_logits.masked_fill(outside, -math.inf))
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[vocab] Gumbel(0, 1) noise, a function of (seed, position) alone."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63)
+    uniform = torch.rand(vocab, generator=generator).clamp(min=1e-20)
+    return -torch.log(-torch.log(uniform))
+
+
+class PhaseEnd(StoppingCriteria):
+    """generate_until's stopping rule, after every decode step: a request ends at a stop token or its max_tokens
+    (on_finish is called with it at once); every request ends once stop() holds. What the phase cut is `cut()`."""
+
+    def __init__(self, requests, stop_token_ids, prompt_len, sampler: SeededSampling, on_finish, stop,
+                 logprobs: bool):
+        self.requests, self.stop_token_ids, self.prompt_len, self.sampler = requests, set(stop_token_ids), prompt_len, sampler
+        self.on_finish, self.stop, self.logprobs = on_finish, stop, logprobs
+        self.ended = [False] * len(requests)
+        self.new_ids: torch.Tensor | None = None
+        self.start, self.running = time.perf_counter(), []
+
+    def completion(self, i: int, finished: bool) -> Completion:
+        ids = self.new_ids[i].tolist()
+        length = next((j + 1 for j, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
+        ids = ids[:min(length, self.requests[i].max_tokens)]
+        return Completion(ids, self.sampler.logprobs[i][:len(ids)] if self.logprobs else None, finished)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.new_ids = input_ids[:, self.prompt_len:].cpu()
+        for i, request in enumerate(self.requests):
+            if self.ended[i]:
+                continue
+            stopped = bool(self.stop_token_ids.intersection(self.new_ids[i].tolist()))
+            if stopped or self.new_ids.shape[1] >= request.max_tokens:
+                self.ended[i] = True
+                self.on_finish(request.key, self.completion(i, finished=stopped))
+        self.running.append((time.perf_counter() - self.start, self.ended.count(False)))
+        if self.stop():
+            return torch.ones(len(self.requests), dtype=torch.bool, device=input_ids.device)
+        return torch.tensor(self.ended, device=input_ids.device)
+
+    def cut(self) -> dict:
+        return {r.key: self.completion(i, finished=False) for i, r in enumerate(self.requests) if not self.ended[i]}

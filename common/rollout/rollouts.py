@@ -27,6 +27,7 @@ from common.rollout.args import sequences_at_once, wants_episodes
 from common.rollout.engines import make_rollout_engine
 from common.rollout.episodes import MultiTurn
 from common.rollout.generate import episode_metrics, evaluate, sample_batch, scored_samples
+from common.rollout.partial import GroupsInFlight
 from common.rollout.rewards import RewardScorer
 from common.rollout.split import (check_shapes, close_link, recv_object, send_header, send_weights, staleness_metrics,
                                   stop_rollout_ranks, weight_versions)
@@ -89,12 +90,25 @@ class Rollouts:
         """At the end of the run, after the last save."""
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the data position and the evaluations so far."""
-        return {"sampler": self.sampler.state_dict(), "first_eval": self.first_eval, "last_eval": self.last_eval}
+        """What a checkpoint keeps: the data position and the evaluations so far (and with --partial-rollouts the
+        batches admitted)."""
+        in_flight = getattr(self, "in_flight", None)
+        return {"sampler": self.sampler.state_dict(), "first_eval": self.first_eval, "last_eval": self.last_eval,
+                **({"in_flight": in_flight.state_dict()} if in_flight else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.first_eval, self.last_eval = state["first_eval"], state["last_eval"]
+        if getattr(self, "in_flight", None):
+            self.in_flight.load_state_dict(state["in_flight"])
+
+    def rank_state_dict(self) -> dict | None:
+        """What this rank alone holds, saved in a file of its own: the groups in flight (--partial-rollouts)."""
+        in_flight = getattr(self, "in_flight", None)
+        return in_flight.rank_state_dict() if in_flight else None
+
+    def load_rank_state_dict(self, state: dict | None, saved: list[dict]) -> None:
+        self.in_flight.load_rank_state_dict(state, saved)
 
 
 class ColocatedRollouts(Rollouts):
@@ -125,6 +139,9 @@ class ColocatedRollouts(Rollouts):
                 f"{args.rollout_gpu_memory:.0%} of the GPU"
             logger.print(f"vLLM: {memory}, sleep level {self.engine.sleep_level}")
         self.synced_version = -1  # the policy version the engine holds
+        # --partial-rollouts: groups kept across steps, their responses continued (common/rollout/partial.py)
+        self.in_flight = GroupsInFlight(args, self.sampler.prompts_per_rank, placement.rank) \
+            if args.partial_rollouts else None
         self._sleep()  # until the first rollout: loading a training state needs the memory
         install_stop_handlers()  # again: the engine may have set handlers of its own
 
@@ -133,12 +150,16 @@ class ColocatedRollouts(Rollouts):
 
     def next_batch(self, step: int) -> tuple[list[dict], dict[str, float]]:
         metrics = self._sync()
+        if self.in_flight is not None:  # a phase that ends once it holds the step's groups
+            with self.timer("rollout"):
+                samples, phase = self.in_flight.next_batch(self.engine, self.scorer, self.tokenizer, self.sampler,
+                                                           step, self.device)
+            self._after_rollout()
+            return samples, {**metrics, **phase}
         prompts = self.sampler.next_batch()
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
             outputs = sample_batch(self.engine, self.scorer, self.multi_turn, self.tokenizer, prompts, self.args, step)
-        if self.device.type == "cuda":
-            self.rollout_memory = memory_in_use(self.device)
-        self._sleep()
+        self._after_rollout()
         with self.timer("reward"):  # what scoring adds after generation; a failure anywhere stops every rank
             samples, timeouts = scored_samples(prompts, outputs, self.scorer, self.multi_turn, version=step - 1)
         metrics["reward/timeouts"] = all_reduce_sum([timeouts], self.device)[0]
@@ -163,6 +184,11 @@ class ColocatedRollouts(Rollouts):
         if self.multi_turn is not None:
             self.multi_turn.close()
         self.engine.close()
+
+    def _after_rollout(self) -> None:
+        if self.device.type == "cuda":
+            self.rollout_memory = memory_in_use(self.device)
+        self._sleep()
 
     def _sleep(self) -> None:
         """Frees the engine's memory for training. A vLLM engine at sleep level 2 drops its weights, so the next

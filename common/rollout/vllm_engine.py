@@ -23,7 +23,7 @@ this module on every machine.
 """
 
 import hashlib
-import math
+import itertools
 import os
 import shutil
 import time
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from common.rollout.completion import Completion
+from common.rollout.completion import Completion, Request
+from common.rollout.vllm_memory import default_sleep_level, kv_cache_gib
 from sharding.vllm_lora import vllm_max_rank, write_adapter
 from sharding.vllm_moe import check_vllm_moe_layout
 from sharding.vllm_sync import adapter_tensors, check_weight_sync, sync_weights_to_vllm
@@ -46,61 +47,6 @@ def request_seed(step_seed: int, replica: int, request_index: int | str) -> int:
     """
     key = f"{step_seed}/{replica}/{request_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2  # < 2**62: fits int64
-
-
-KEEP_WEIGHTS_UP_TO = 0.15  # sleep_level None: level 0 while vLLM's weights take at most this share of the GPU
-KV_CACHE_CAP = 0.4  # the default KV cache takes at most this share of the GPU (vLLM then queues the rest)
-
-
-def kv_heads_per_rank(config, tp_size: int) -> tuple[int, int]:
-    """(kv heads, head dim) of one tensor-parallel rank: at least one head, as vLLM copies kv heads when tp_size
-    exceeds them."""
-    config = config.get_text_config()  # the language model's, in a multimodal config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = max(1, (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp_size)
-    return kv_heads, head_dim
-
-
-def check_kv_width(config, tp_size: int) -> None:
-    """One line, before vLLM starts, for a model whose keys take fewer than 32 values a token on a rank.
-
-    vLLM 0.26.0's KV-cache write (reshape_and_cache_flash, FlashAttention's cache layout) runs min(kv heads x head
-    dim, 512) threads per token and steps over the heads by whole warps of 32: with fewer threads than a warp the
-    step is zero and the kernel never returns, the GPU at 100%. Seen on H200s with tiny random models (1 kv head of
-    dim 16 on a rank: at --rollout-tp 2, or one GPU); every released model has head dims of 64 or more.
-    """
-    kv_heads, head_dim = kv_heads_per_rank(config, tp_size)
-    if kv_heads * head_dim < 32:
-        raise ValueError(f"--rollout-tp {tp_size}: each rank would hold {kv_heads} kv head(s) of dimension {head_dim}, "
-                         f"{kv_heads * head_dim} values a token, and vLLM's KV-cache write never finishes below 32 (its "
-                         f"loop steps over heads by whole warps): use a smaller --rollout-tp, or a model with more kv "
-                         f"heads or a larger head_dim")
-
-
-def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_model_len: int,
-                 device_gib: float) -> float:
-    """GiB of KV cache per GPU for `sequences` sequences of up to max_model_len tokens at once, plus a tenth.
-
-    Per token and rank: keys and values of every layer, for this rank's kv heads (kv_heads_per_rank). Exact for
-    dense attention, an overestimate for sliding windows or latent attention. At least 0.5 GiB, at most KV_CACHE_CAP
-    of the GPU.
-    """
-    kv_heads, head_dim = kv_heads_per_rank(config, tp_size)
-    bytes_per_token = 2 * config.get_text_config().num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-    return kv_cache_size_gib(bytes_per_token, sequences, max_model_len, device_gib)
-
-
-def kv_cache_size_gib(bytes_per_token: float, sequences: float, max_model_len: int, device_gib: float) -> float:
-    """kv_cache_gib's size (also common/run/planner.py's): `sequences` in blocks of 16 tokens, a tenth more, at least
-    0.5 GiB, at most KV_CACHE_CAP of the GPU."""
-    tokens = sequences * math.ceil(max_model_len / 16) * 16  # vLLM's blocks hold 16 tokens
-    return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
-
-
-def default_sleep_level(weight_bytes: int, device_bytes: int, keep_weights: bool = False) -> int:
-    """0 (weights stay on the GPU) when they take at most KEEP_WEIGHTS_UP_TO of it, else 2 (dropped), or with
-    keep_weights (a base loaded once) 1 (parked in CPU memory)."""
-    return 0 if weight_bytes <= KEEP_WEIGHTS_UP_TO * device_bytes else 1 if keep_weights else 2
 
 
 class VLLMRolloutEngine:
@@ -131,6 +77,7 @@ class VLLMRolloutEngine:
         self.stop_token_ids, self.dtype = list(stop_token_ids), dtype
         self.sync_bucket_mb = sync_bucket_mb
         self.asleep, self.slept_at = False, None
+        self.request_ids = itertools.count()  # generate_until's request ids: unique over the run
         # One small CPU group per replica to share prompts; every rank creates all of them, in the same order.
         self.tp_group = None
         if tp_size > 1:
@@ -223,6 +170,41 @@ class VLLMRolloutEngine:
         if None in results:
             raise RuntimeError(f"vLLM finished without {results.count(None)} of this rank's {len(results)} requests")
         return results
+
+    def generate_until(self, requests: list[Request], temperature: float, top_p: float, on_finish, stop,
+                       logprobs: bool = True) -> tuple[dict, list[tuple[float, int]]]:
+        """Partial rollouts' phase (see engines.py): every request is enqueued at once and streamed back token by
+        token (vLLM's DELTA outputs), so that once stop() holds, asked after every engine step, the requests still
+        running are aborted with the tokens and log-probs they have. One replica per rank (--rollout-tp 1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._wake_for_generation()
+        engine, running, start, busy = self.llm.llm_engine, {}, time.perf_counter(), []
+        for request in requests:
+            request_id = f"partial-{next(self.request_ids)}"
+            running[request_id] = (request.key, Completion([], [] if logprobs else None, False))
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=request.prompt_ids), SamplingParams(
+                n=1, max_tokens=request.max_tokens, temperature=temperature, top_p=top_p,
+                seed=request_seed(request.seed, self.replica, request.position), stop_token_ids=self.stop_token_ids,
+                logprobs=0 if logprobs else None, flat_logprobs=True, detokenize=False,
+                output_kind=RequestOutputKind.DELTA), lora_request=self.lora_request)
+        while running and not stop():
+            for output in engine.step():
+                key, completion = running[output.request_id]
+                new = to_completion(output.outputs[0])  # this step's tokens
+                completion.response_ids += new.response_ids
+                if logprobs:
+                    completion.logprobs += new.logprobs
+                if output.finished:
+                    completion.finished = new.finished
+                    del running[output.request_id]
+                    on_finish(key, completion)
+            busy.append((time.perf_counter() - start, len(running)))
+        if running:  # the phase is over: the rest wait for the next one, continued from their tokens so far
+            engine.abort_request(list(running))
+        return {key: completion for key, completion in running.values()}, busy
 
     def run_turns(self, runner, temperature: float, top_p: float, seed: int, greedy: bool = False,
                   logprobs: bool = True, stop_token_ids: list[int] = (), ignore_eos: bool = False) -> None:

@@ -127,7 +127,7 @@ def _dtype_bytes(precision: str) -> int:
 
 def default_sleep_level(shape: Shape, setup: Setup) -> int:
     """common/rollout/vllm_engine.py's default: 0 while vLLM's weights take at most KEEP_WEIGHTS_UP_TO of the GPU."""
-    from common.rollout.vllm_engine import default_sleep_level  # imported here: it loads transformers, which the
+    from common.rollout.vllm_memory import default_sleep_level  # imported here: it loads transformers, which the
     # model alone does not need
     if setup.sleep_level is not None:
         return setup.sleep_level
@@ -137,7 +137,7 @@ def default_sleep_level(shape: Shape, setup: Setup) -> int:
 def kv_cache_gb(shape: Shape, setup: Setup) -> float:
     """The KV cache the scripts size by default (common/rollout/vllm_engine.py's): a replica's sequences at once, each
     of --max-prompt-len + --max-response-len tokens, a tenth more, at most KV_CACHE_CAP of the GPU."""
-    from common.rollout.vllm_engine import kv_cache_size_gib  # imported here, like default_sleep_level above
+    from common.rollout.vllm_memory import kv_cache_size_gib  # imported here, like default_sleep_level above
     if setup.kv_cache_gb is not None:
         return setup.kv_cache_gb
     per_token = 2 * shape.layers * max(1, shape.kv_heads // setup.rollout_tp) * shape.head_dim * \

@@ -12,6 +12,7 @@ HF-format export is separate (sharding/checkpoint.py).
         .metadata, __<rank>_0.distcp   model + optimizer shards (DCP)
         trainer_state.json             step, world size, scheduler, sampler, extra
         rng_rank<r>.pt                 Python, NumPy, torch (CPU and CUDA) RNG of rank r
+        rollouts_rank<r>.pt            --partial-rollouts: rank r's responses in flight, continued on resume
         COMPLETE                       {"files": {name: size in bytes}}
 """
 
@@ -116,6 +117,9 @@ def save_training_state(path_root: str, step: int, model, optimizer, scheduler, 
     dcp.save(_sharded_state(model, optimizer, more), checkpoint_id=tmp)  # raises on every rank
     try:
         _write_synced(os.path.join(tmp, f"rng_rank{rank}.pt"), lambda f: torch.save(_rng_state(), f))
+        rank_state = sampler.rank_state_dict() if hasattr(sampler, "rank_state_dict") else None
+        if rank_state is not None:  # what this rank alone holds (partial rollouts' responses in flight)
+            _write_synced(os.path.join(tmp, f"rollouts_rank{rank}.pt"), lambda f: torch.save(rank_state, f))
         if rank == 0:
             trainer_state = {"step": step, "world_size": world,
                              "scheduler": None if scheduler is None else scheduler.state_dict(),
@@ -247,6 +251,10 @@ def load_training_state(path: str, model, optimizer, scheduler, sampler, more: d
         sampler.load_state_dict(trainer_state["sampler"])
 
     step, saved_world = trainer_state["step"], trainer_state["world_size"]
+    files = [os.path.join(path, f"rollouts_rank{r}.pt") for r in range(saved_world)]
+    saved = [torch.load(f, weights_only=True) for f in files if os.path.isfile(f)]
+    if saved:  # this rank's own part at the same world size; else every rank's, to count what is dropped
+        sampler.load_rank_state_dict(saved[rank] if saved_world == world else None, saved)
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     exact_rng = saved_world == world and os.path.isfile(rng_file)
     if exact_rng:
@@ -344,6 +352,9 @@ class Checkpoints:
         self.logger.print(f"resumed from {path} at step {info['step']}" + ("" if info["exact_rng"] else
                           f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are "
                           f"exact, random streams re-seeded)"))
+        if getattr(getattr(self.data, "in_flight", None), "dropped", 0):
+            self.logger.print(f"dropped the {self.data.in_flight.dropped} responses the saved run had in flight "
+                              f"(--partial-rollouts): they are continued only on the same number of ranks")
         return info["extra"]
 
     def export(self, step: int) -> None:

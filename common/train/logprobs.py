@@ -4,7 +4,7 @@ The decoder body runs over a packed row (common/train/batching.py), then the LM 
 positions only, so the float32 [tokens, vocab] logits never exist for a whole micro-batch, in forward or backward.
 Each packed sequence attends to itself only (use_packed_attention): on GPU through torch's varlen kernels (flash
 attention in bf16, memory-efficient attention in fp32), on CPU through sdpa per sequence length.
-The rollout engine's log-probs of the same tokens are measured against the trainer's here too (mismatch_metrics).
+The rollout engine's log-probs of the same tokens are measured against the trainer's in common/train/off_policy.py.
 """
 
 import functools
@@ -14,7 +14,6 @@ import types
 import torch
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from common.run.distributed import all_reduce_sum, max_over_ranks
 from common.train.batching import pack_sequences, plan_equal_micro_batches
 from common.train.moe import pack_routes, router_hooks
 from common.train.sequence_parallel import (gather_scored, heads_to_sequence, local_part, sequence_parallel_size,
@@ -323,35 +322,3 @@ def compute_logprobs(model, samples: list[dict], max_tokens: int, temperature: f
             out[i] = lp.float().cpu()
     model.reshard()  # FSDP2 keeps the root's weights gathered after a forward with no backward: free them
     return out
-
-
-def mismatch_metrics(samples: list[dict], cap: float) -> dict:
-    """How far the rollout engine's log-probs ("logprobs") are from the trainer's ("old_logprobs"), summed over one
-    rank's samples that carry them (not every step asks for them: wants_rollout_logprobs): the absolute difference
-    and the token count (rollout/logprob_diff), and the truncated importance weights min(p_old / p_behaviour, cap)
-    that correct for the engine's numerical mismatch and older weights: the weight sum, how many tokens were
-    capped, and the largest uncapped ratio. Observation tokens of episodes are not the model's: left out."""
-    measured = [s for s in samples if s["logprobs"] is not None]
-    if not measured:
-        return {"lp_diff": 0.0, "lp_tokens": 0, "tis_weight_sum": 0.0, "tis_capped": 0.0, "tis_ratio_max": 0.0}
-    generated = torch.cat([torch.as_tensor(model_token_mask(s), dtype=torch.bool) for s in measured])
-    diff = (torch.cat([s["old_logprobs"] for s in measured]) - torch.cat(
-        [torch.as_tensor(s["logprobs"], dtype=torch.float32) for s in measured]))[generated]  # the model's tokens
-    ratio = diff.exp()
-    return {"lp_diff": diff.abs().sum().item(), "lp_tokens": diff.numel(),
-            "tis_weight_sum": ratio.clamp(max=cap).sum().item(), "tis_capped": (ratio > cap).sum().item(),
-            "tis_ratio_max": ratio.max().item()}
-
-
-def rollout_mismatch_metrics(samples: list[dict], tis_cap: float | None, device) -> dict[str, float]:
-    """Collective: mismatch_metrics over every rank's samples, as logged: rollout/logprob_diff (where measured) and,
-    with a TIS cap, the mean truncated importance weight, the share of capped tokens and the largest ratio."""
-    mismatch = mismatch_metrics(samples, tis_cap or 1.0)
-    sums = all_reduce_sum([mismatch["lp_diff"], mismatch["lp_tokens"], mismatch["tis_weight_sum"],
-                           mismatch["tis_capped"]], device)
-    diff, tokens, weight, capped = sums
-    metrics = {"rollout/logprob_diff": diff / tokens} if tokens else {}
-    if tis_cap is not None and tokens:
-        metrics.update({"tis/weight_mean": weight / tokens, "tis/capped_frac": capped / tokens,
-                        "tis/ratio_max": max_over_ranks(mismatch["tis_ratio_max"], device)})
-    return metrics

@@ -1,0 +1,175 @@
+"""Partial rollouts (--partial-rollouts): a rollout phase ends once it holds the step's groups, not when its longest
+response ends.
+
+Each rank keeps the groups it has started (`GroupsInFlight`). A phase (one per step, after the weight sync):
+1. admits new prompts, a batch of --prompts-per-step / ranks at a time, while the samples of every group admitted so
+   far can still be trained within --max-staleness updates (AReaL's rule: groups admitted at step a must be
+   trained by step a + max_staleness; since each step trains one batch, at most 1 + max_staleness batches are in
+   flight). That bound is kept at admission: finished work is never thrown away for being old;
+2. generates every unfinished response (a new one from its prompt, a cut one from its prompt and its tokens so far,
+   re-prefilled under the new weights: the engine's prefix cache was emptied with its sleep), and ends as soon as
+   it holds a batch of complete groups including every group due this step (its deadline); the responses still
+   running are cut and kept, with their tokens, the engine's log-probs and the weight version of every token;
+3. trains the oldest complete groups. A group's rewards are scored when its last response ends.
+
+A group enters training only when all of its members are finished. Its members may span weight versions: every
+token keeps its own version and its own engine log-prob, so the importance weight of each token (--tis-cap and
+--off-policy-correction in the scripts) is taken against the policy that actually sampled it, and the group's
+advantages weigh its members alike, as in a synchronous step. With --max-staleness 0 a phase admits exactly one
+batch and must finish it: a synchronous step, from the same prompts.
+"""
+
+from dataclasses import dataclass, field
+
+from common.rollout.completion import Completion, Request
+from common.rollout.generate import collect_rewards
+from common.rollout.vllm_engine import request_seed
+from common.run.distributed import all_reduce_sum, max_over_ranks
+
+LOW_BUSY = 0.1  # a phase's time with fewer than this share of its requests still running counts as mostly idle
+
+
+@dataclass
+class Response:
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)  # the engine's, token by token
+    versions: list[list[int]] = field(default_factory=list)  # [[weight version, tokens it generated], ...] in order
+    finished: bool = False  # ended at a stop token
+    done: bool = False  # ended: a stop token or the length limit
+
+
+@dataclass
+class Group:
+    key: int  # admission order on this rank
+    row: dict  # the prompt
+    admitted: int  # the step whose phase admitted it: trained by admitted + max_staleness at the latest
+    responses: list[Response]
+    rewards: list[float] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return all(r.done for r in self.responses)
+
+
+class GroupsInFlight:
+    """One rank's groups across phases, and the phase that advances them (see the module's docstring)."""
+
+    def __init__(self, args, prompts_per_rank: int, rank: int):
+        self.args, self.prompts_per_rank, self.rank = args, prompts_per_rank, rank
+        self.groups: list[Group] = []
+        self.admitted_batches = 0  # over the run, the same on every rank
+        self.next_key = 0
+        self.dropped = 0  # responses of a resume on another number of ranks, which could not be continued
+
+    def due(self, group: Group, step: int) -> bool:
+        return group.admitted + self.args.max_staleness <= step
+
+    def admit(self, sampler, step: int) -> None:
+        """New groups while every group admitted so far can be trained within --max-staleness of its admission."""
+        while self.admitted_batches < step + self.args.max_staleness:
+            for row in sampler.next_batch():
+                self.groups.append(Group(self.next_key, row, step, [Response() for _ in range(self.args.group_size)]))
+                self.next_key += 1
+            self.admitted_batches += 1
+
+    def phase_over(self, step: int) -> bool:
+        complete = sum(g.complete for g in self.groups)
+        return complete >= self.prompts_per_rank and all(g.complete for g in self.groups if self.due(g, step))
+
+    def next_batch(self, engine, scorer, tokenizer, sampler, step: int, device) -> tuple[list[dict], dict]:
+        """Collective (rewards, metrics): one phase with the engine's weights of version step - 1; this rank's
+        batch of samples, prompt-major, and the phase's metrics."""
+        args, version = self.args, step - 1
+        self.admit(sampler, step)
+        requests, scored = [], []
+        for g in self.groups:
+            for i, r in enumerate(g.responses):
+                if not r.done:
+                    requests.append(Request((g.key, i), g.row["prompt_ids"] + r.response_ids,
+                                            args.max_response_len - len(r.response_ids),
+                                            seed=request_seed(args.seed, self.rank, f"{g.key}/{i}"),
+                                            position=len(r.response_ids)))
+        by_key, continued = {g.key: g for g in self.groups}, sum(r.position > 0 for r in requests)
+
+        def add(key, completion: Completion, done: bool) -> None:
+            group, response = by_key[key[0]], by_key[key[0]].responses[key[1]]
+            response.response_ids += completion.response_ids
+            response.logprobs = None if completion.logprobs is None or response.logprobs is None else \
+                response.logprobs + list(completion.logprobs)
+            if completion.response_ids:
+                response.versions.append([version, len(completion.response_ids)])
+            response.finished, response.done = completion.finished, done
+            if done and group.complete:  # scored while the others generate
+                texts = [tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in group.responses]
+                scorer.submit(group.key, [group.row["prompt"]] * len(texts), texts, [group.row["answer"]] * len(texts))
+                scored.append(group.key)
+
+        # Every rank calls it, even with nothing to generate: the HF engine's FSDP forward passes are collective.
+        cut, busy = engine.generate_until(requests, args.temperature, args.top_p,
+                                          on_finish=lambda key, c: add(key, c, done=True),
+                                          stop=lambda: self.phase_over(step), logprobs=True)
+        for key, completion in cut.items():
+            add(key, completion, done=False)
+        rewards, timeouts = collect_rewards(scorer)  # every rank: by key, as scored
+        for key, group_rewards in zip(sorted(scored), rewards):
+            by_key[key].rewards = group_rewards
+        batch = [g for g in self.groups if g.complete][:self.prompts_per_rank]  # the oldest complete groups
+        assert len(batch) == self.prompts_per_rank and all(g in batch for g in self.groups if self.due(g, step))
+        self.groups = [g for g in self.groups if g not in batch]
+        samples = [dict(prompt_ids=g.row["prompt_ids"], response_ids=r.response_ids, logprobs=r.logprobs,
+                        finished=r.finished, reward=reward, version=r.versions[0][0] if r.versions else version,
+                        versions=r.versions)
+                   for g in batch for r, reward in zip(g.responses, g.rewards)]
+        return samples, {"reward/timeouts": all_reduce_sum([timeouts], device)[0],
+                         **self.metrics(samples, version, len(requests), continued, busy, device)}
+
+    def metrics(self, samples: list[dict], trainer_version: int, requests: int, continued: int, busy, device) -> dict:
+        """Collective: how old the trained samples and tokens are (updates behind the trainer; a sample's age is its
+        first token's), the share of responses continued from an earlier phase, of this phase's requests that
+        continued a response, and of its time spent with fewer than LOW_BUSY of its requests running."""
+        s = self.args.max_staleness
+        sample_ages = [trainer_version - x["version"] for x in samples]
+        token_ages = [0.0] * (s + 1)
+        for x in samples:
+            for v, n in x["versions"]:
+                token_ages[trainer_version - v] += n
+        if max(sample_ages, default=0) > s or min(sample_ages, default=0) < 0:
+            raise RuntimeError(f"samples {sorted(set(sample_ages))} updates old reached the trainer: the admission "
+                               f"rule keeps them within --max-staleness {s} (a bookkeeping bug)")
+        low = sum(t1 - t0 for (t0, _), (t1, n) in zip([(0.0, requests)] + busy, busy) if n < LOW_BUSY * requests)
+        sums = all_reduce_sum([len(samples), sum(sample_ages), sum(len(x["versions"]) > 1 for x in samples),
+                               requests, continued, low, busy[-1][0] if busy else 0.0, *token_ages], device)
+        count, age_sum, spanning, requested, continued_sum, low_sum, seconds, *tokens = sums
+        trained = max(sum(tokens), 1)
+        return {"rollout/sample_age_mean": age_sum / max(count, 1),
+                "rollout/sample_age_max": max_over_ranks(max(sample_ages, default=0), device),
+                "rollout/token_age_mean": sum(age * n for age, n in enumerate(tokens)) / trained,
+                **{f"rollout/token_age_{age}_frac": n / trained for age, n in enumerate(tokens)},
+                "rollout/continued_frac": spanning / max(count, 1),
+                "rollout/requests_continued_frac": continued_sum / max(requested, 1),
+                "perf/rollout_low_busy_frac": low_sum / seconds if seconds else 0.0,  # a timing: no two runs share it
+                "rollout/groups_in_flight": all_reduce_sum([len(self.groups)], device)[0]}
+
+    def state_dict(self) -> dict:
+        """What every rank shares (in the run's JSON state): the batches admitted."""
+        return {"admitted_batches": self.admitted_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.admitted_batches = state["admitted_batches"]
+
+    def rank_state_dict(self) -> dict:
+        """This rank's groups, their responses so far included (a file per rank in the training state)."""
+        return {"groups": [dict(key=g.key, row=g.row, admitted=g.admitted, rewards=g.rewards,
+                                responses=[vars(r) for r in g.responses]) for g in self.groups],
+                "next_key": self.next_key}
+
+    def load_rank_state_dict(self, state: dict | None, saved: list[dict]) -> None:
+        """state: this rank's saved groups; None when the run resumed on another number of ranks, whose prompts are
+        shared out differently: then the responses every rank kept (`saved`) are dropped and counted in `dropped`
+        (their prompts are not admitted again)."""
+        if state is None:
+            self.dropped = sum(len(g["responses"]) for s in saved for g in s["groups"])
+            return
+        self.groups = [Group(g["key"], g["row"], g["admitted"], [Response(**r) for r in g["responses"]], g["rewards"])
+                       for g in state["groups"]]
+        self.next_key = state["next_key"]
