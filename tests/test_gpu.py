@@ -4,6 +4,7 @@ vLLM's sampled tokens and the trainer's forward pass (common/rollout/vllm_engine
 Run: python -m pytest -m gpu tests/test_gpu.py
 """
 
+import math
 import os
 
 import pytest
@@ -248,6 +249,33 @@ def test_each_group_is_handed_over_as_soon_as_it_is_complete(colocated):
     assert all(len(group) == 4 for group in outputs)
     assert len({len(c.response_ids) for group in outputs for c in group}) > 1
     assert max(unfinished) > 0, unfinished
+
+
+def test_a_phase_cut_by_stop_continues_in_the_next(colocated):
+    """generate_until (partial rollouts): stopped after 5 engine steps, the running requests come back with their
+    tokens and as many log-probs, vLLM holds none of them any more (so the engine can sleep), and continued from
+    their tokens with the rest of their budget they end at exactly max_tokens; requests that end early go to
+    on_finish, once each."""
+    from common.rollout.completion import Request
+
+    policy, engine = colocated
+    engine.update_weights(policy)
+    requests = [Request(i, [1 + i, 2 + i, 3 + i], max_tokens=40 if i % 2 else 3, seed=i) for i in range(8)]
+    finished, asked = {}, iter(range(10**6))
+    cut, busy = engine.generate_until(requests, 1.0, 1.0, on_finish=lambda k, c: finished.setdefault(k, c),
+                                      stop=lambda: next(asked) >= 5)
+    assert sorted(finished) == [0, 2, 4, 6] and all(len(c.response_ids) == 3 for c in finished.values())
+    assert sorted(cut) == [1, 3, 5, 7] and busy and busy[-1][1] == 4
+    assert all(0 < len(c.response_ids) < 40 and len(c.logprobs) == len(c.response_ids) for c in cut.values())
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    engine.sleep()
+    later = [Request(k, [1 + k, 2 + k, 3 + k] + c.response_ids, 40 - len(c.response_ids), seed=k,
+                     position=len(c.response_ids)) for k, c in cut.items()]
+    rest, still_cut = engine.generate_until(later, 1.0, 1.0, on_finish=lambda k, c: finished.setdefault(k, c),
+                                            stop=lambda: False)
+    assert not still_cut and sorted(finished) == list(range(8))
+    assert all(len(cut[k].response_ids) + len(finished[k].response_ids) == 40 for k in cut)
+    assert all(math.isfinite(x) and x <= 0 for c in finished.values() for x in c.logprobs)
 
 
 def test_a_lora_policy_reaches_vllm_merged(colocated):

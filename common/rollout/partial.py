@@ -51,6 +51,14 @@ class Group:
         return all(r.done for r in self.responses)
 
 
+def low_busy_seconds(busy: list[tuple[float, int]], requests: int) -> tuple[float, float]:
+    """(seconds with fewer than LOW_BUSY of the `requests` still running, seconds in all) of a generation whose
+    engine steps ended at busy[i][0] seconds with busy[i][1] requests still running."""
+    ends = [0.0] + [t for t, _ in busy]
+    low = sum(t1 - t0 for t0, t1, (_, n) in zip(ends, ends[1:], busy) if n < LOW_BUSY * requests)
+    return low, ends[-1]
+
+
 class GroupsInFlight:
     """One rank's groups across phases, and the phase that advances them (see the module's docstring)."""
 
@@ -136,9 +144,8 @@ class GroupsInFlight:
         if max(sample_ages, default=0) > s or min(sample_ages, default=0) < 0:
             raise RuntimeError(f"samples {sorted(set(sample_ages))} updates old reached the trainer: the admission "
                                f"rule keeps them within --max-staleness {s} (a bookkeeping bug)")
-        low = sum(t1 - t0 for (t0, _), (t1, n) in zip([(0.0, requests)] + busy, busy) if n < LOW_BUSY * requests)
         sums = all_reduce_sum([len(samples), sum(sample_ages), sum(len(x["versions"]) > 1 for x in samples),
-                               requests, continued, low, busy[-1][0] if busy else 0.0, *token_ages], device)
+                               requests, continued, *low_busy_seconds(busy, requests), *token_ages], device)
         count, age_sum, spanning, requested, continued_sum, low_sum, seconds, *tokens = sums
         trained = max(sum(tokens), 1)
         return {"rollout/sample_age_mean": age_sum / max(count, 1),

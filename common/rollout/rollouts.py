@@ -27,7 +27,7 @@ from common.rollout.args import sequences_at_once, wants_episodes
 from common.rollout.engines import make_rollout_engine
 from common.rollout.episodes import MultiTurn
 from common.rollout.generate import episode_metrics, evaluate, sample_batch, scored_samples
-from common.rollout.partial import GroupsInFlight
+from common.rollout.partial import GroupsInFlight, low_busy_seconds
 from common.rollout.rewards import RewardScorer
 from common.rollout.split import (check_shapes, close_link, recv_object, send_header, send_weights, staleness_metrics,
                                   stop_rollout_ranks, weight_versions)
@@ -159,6 +159,9 @@ class ColocatedRollouts(Rollouts):
         prompts = self.sampler.next_batch()
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
             outputs = sample_batch(self.engine, self.scorer, self.multi_turn, self.tokenizer, prompts, self.args, step)
+        if getattr(self.engine, "busy", None) and self.multi_turn is None:  # vLLM: the time its tail held the GPU
+            low, seconds = low_busy_seconds(self.engine.busy, len(prompts) * self.args.group_size)
+            metrics["perf/rollout_low_busy_frac"] = low / seconds if seconds else 0.0
         self._after_rollout()
         with self.timer("reward"):  # what scoring adds after generation; a failure anywhere stops every rank
             samples, timeouts = scored_samples(prompts, outputs, self.scorer, self.multi_turn, version=step - 1)

@@ -160,6 +160,7 @@ class VLLMRolloutEngine:
         # was given plus "-" and a random suffix; outputs carry the given id.
         ids = self.llm.enqueue(requests, params, lora_request=self.lora_request, use_tqdm=False)
         index = {request_id.split("-", 1)[0]: i for i, request_id in enumerate(ids)}
+        start, self.busy = time.perf_counter(), []  # [(seconds, requests running)] after each step: the tail's cost
         while self.llm.llm_engine.has_unfinished_requests():
             for output in self.llm.llm_engine.step():  # final outputs only: all n samples of a request at once
                 i = index[output.request_id] - first
@@ -167,6 +168,7 @@ class VLLMRolloutEngine:
                     results[i] = [to_completion(c) for c in output.outputs]
                     if on_finish:
                         on_finish(i, results[i])
+            self.busy.append((time.perf_counter() - start, self.llm.llm_engine.get_num_unfinished_requests()))
         if None in results:
             raise RuntimeError(f"vLLM finished without {results.count(None)} of this rank's {len(results)} requests")
         return results
