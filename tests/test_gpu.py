@@ -271,8 +271,8 @@ def test_a_phase_cut_by_stop_continues_in_the_next(colocated):
     engine.sleep()
     later = [Request(k, [1 + k, 2 + k, 3 + k] + c.response_ids, 40 - len(c.response_ids), seed=k,
                      position=len(c.response_ids)) for k, c in cut.items()]
-    rest, still_cut = engine.generate_until(later, 1.0, 1.0, on_finish=lambda k, c: finished.setdefault(k, c),
-                                            stop=lambda: False)
+    still_cut, _ = engine.generate_until(later, 1.0, 1.0, on_finish=lambda k, c: finished.setdefault(k, c),
+                                         stop=lambda: False)
     assert not still_cut and sorted(finished) == list(range(8))
     assert all(len(cut[k].response_ids) + len(finished[k].response_ids) == 40 for k in cut)
     assert all(math.isfinite(x) and x <= 0 for c in finished.values() for x in c.logprobs)

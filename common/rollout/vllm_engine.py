@@ -175,38 +175,41 @@ class VLLMRolloutEngine:
 
     def generate_until(self, requests: list[Request], temperature: float, top_p: float, on_finish, stop,
                        logprobs: bool = True) -> tuple[dict, list[tuple[float, int]]]:
-        """Partial rollouts' phase (see engines.py): every request is enqueued at once and streamed back token by
-        token (vLLM's DELTA outputs), so that once stop() holds, asked after every engine step, the requests still
-        running are aborted with the tokens and log-probs they have. One replica per rank (--rollout-tp 1)."""
+        """Partial rollouts' phase (see engines.py): every request is enqueued at once; vLLM returns each one when
+        it ends, and once stop() holds, asked after every engine step, the requests still running are read from its
+        output processor (the tokens and log-probs it holds for them) and aborted. Streaming every request's tokens
+        at every step instead costs a large share of a small model's decode step. One replica per rank."""
+        from types import SimpleNamespace
+
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         self._wake_for_generation()
         engine, running, start, busy = self.llm.llm_engine, {}, time.perf_counter(), []
-        for request in requests:
-            request_id = f"partial-{next(self.request_ids)}"
-            running[request_id] = (request.key, Completion([], [] if logprobs else None, False))
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=request.prompt_ids), SamplingParams(
-                n=1, max_tokens=request.max_tokens, temperature=temperature, top_p=top_p,
-                seed=request_seed(request.seed, self.replica, request.position), stop_token_ids=self.stop_token_ids,
-                logprobs=0 if logprobs else None, flat_logprobs=True, detokenize=False,
-                output_kind=RequestOutputKind.DELTA), lora_request=self.lora_request)
+        for request in requests:  # outputs carry the id given here; vLLM's own (internal) one names its state
+            given = f"partial-{next(self.request_ids)}"
+            running[given] = (request.key, engine.add_request(
+                given, TokensPrompt(prompt_token_ids=request.prompt_ids),
+                SamplingParams(n=1, max_tokens=request.max_tokens, temperature=temperature, top_p=top_p,
+                               seed=request_seed(request.seed, self.replica, request.position),
+                               stop_token_ids=self.stop_token_ids, logprobs=0 if logprobs else None,
+                               flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY),
+                lora_request=self.lora_request))
         while running and not stop():
             for output in engine.step():
-                key, completion = running[output.request_id]
-                new = to_completion(output.outputs[0])  # this step's tokens
-                completion.response_ids += new.response_ids
-                if logprobs:
-                    completion.logprobs += new.logprobs
-                if output.finished:
-                    completion.finished = new.finished
-                    del running[output.request_id]
-                    on_finish(key, completion)
+                key, _ = running.pop(output.request_id)
+                on_finish(key, to_completion(output.outputs[0]))
             busy.append((time.perf_counter() - start, len(running)))
-        if running:  # the phase is over: the rest wait for the next one, continued from their tokens so far
-            engine.abort_request(list(running))
-        return {key: completion for key, completion in running.values()}, busy
+        cut = {}
+        for key, request_id in running.values():  # the phase is over: the rest continue in the next one
+            state = engine.output_processor.request_states[request_id]
+            cut[key] = to_completion(SimpleNamespace(
+                token_ids=list(state.detokenizer.output_token_ids), finish_reason=None,
+                logprobs=state.logprobs_processor.logprobs if logprobs else None))
+        if running:
+            engine.abort_request([request_id for _, request_id in running.values()], internal=True)
+        return cut, busy
 
     def run_turns(self, runner, temperature: float, top_p: float, seed: int, greedy: bool = False,
                   logprobs: bool = True, stop_token_ids: list[int] = (), ignore_eos: bool = False) -> None:
