@@ -29,9 +29,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from common.data.preference_source import (PreferenceDataArgs, example_length, example_logps, example_source,
-                                           held_out_metrics, load_examples, reference_for, response_lengths,
-                                           share_examples)
+from common.data.preference_source import (PreferenceDataArgs, default_eval_size, example_length, example_logps,
+                                           example_source, held_out_metrics, load_examples, reference_for,
+                                           response_lengths, share_examples)
 from common.data.preferences import unpair
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
@@ -129,8 +129,9 @@ FIXED_ON_RESUME = fixed_on_resume(Args, "model", "online", "group_size", "prompt
 def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
     """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
     and starts from random weights; offline --steps is one epoch, set once the data is loaded: load_examples);
-    then, once the flags are checked, activation checkpointing where the planner forecasts that the step would not
-    fit without it (GPUs only). Returns the lines printed at start-up: the values chosen, and the forecast."""
+    then, once the flags are checked, the held-out size (which may count the data's rows) and activation
+    checkpointing where the planner forecasts that the step would not fit without it (GPUs only). Returns the lines
+    printed at start-up: the values chosen, and the forecast."""
     unset = asdict(args)
     builtin = args.dataset is None
     args.lr = default_lr(1e-3 if args.model is None else 5e-7, args) if args.lr is None else args.lr
@@ -146,6 +147,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
         fill_rollout_defaults(args)  # the engine, reward processes, --precision auto
     args.ref_cache = "none" if args.online else args.ref_cache  # online, the pairs are new every step
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    args.eval_size = default_eval_size(args) if args.eval_size is None else args.eval_size  # may count the rows
     forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
     return [chosen_values(unset, asdict(args)), *forecast]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.data.preferences import load_preference_rows
-from common.data.prompts import EvalDataArgs, PromptSampler, load_prompts
+from common.data.preferences import default_pair_eval_size, load_preference_rows
+from common.data.prompts import EvalDataArgs, PromptSampler, default_prompt_eval_size, load_prompts
 from common.run.distributed import sum_over_ranks
 from common.train.batching import plan_equal_micro_batches, share_samples_evenly
 from common.train.loading import load_reference
@@ -347,6 +347,12 @@ class OnlineExamples:
 
     def load_state_dict(self, state: dict) -> None:
         self.rollouts.load_state_dict(state)
+
+
+def default_eval_size(args) -> int:
+    """--eval-size's default for dpo.py (its resolve_defaults), as load_examples reads the data: of the prompts online,
+    else of the pairs or KTO's rows (the built-in task's pairs and prompts both: 256)."""
+    return default_prompt_eval_size(args) if args.online else default_pair_eval_size(args)
 
 
 def load_examples(args, tokenizer) -> tuple:
