@@ -28,10 +28,6 @@ ALLOWED_UPWARD = {
     ("common.run.resume", "common.train.model"),
     ("common.run.resume", "common.train.optim"),
     ("common.run.run_plan", "common.train.model"),
-    # The planner's model mirrors the rules it forecasts: vLLM's default sleep level and KV cache size, and which
-    # sequence-parallel sizes split the heads. Removed by moving those rules down into common/run/.
-    ("common.run.planner", "common.rollout.vllm_engine"),
-    ("common.run.planner", "common.train.sequence_parallel"),
     # The built-in tiny model's config and tokenizer live with the built-in task (common/data/synthetic.py).
     ("common.train.model", "common.data.synthetic"),
     ("common.train.value_models", "common.data.synthetic"),

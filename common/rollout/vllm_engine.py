@@ -23,7 +23,6 @@ this module on every machine.
 """
 
 import hashlib
-import math
 import os
 import shutil
 import time
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from common.rollout.completion import Completion
+from common.run.gpus import default_sleep_level, kv_cache_size_gib
 from sharding.vllm_lora import vllm_max_rank, write_adapter
 from sharding.vllm_moe import check_vllm_moe_layout
 from sharding.vllm_sync import adapter_tensors, check_weight_sync, sync_weights_to_vllm
@@ -46,10 +46,6 @@ def request_seed(step_seed: int, replica: int, request_index: int | str) -> int:
     """
     key = f"{step_seed}/{replica}/{request_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2  # < 2**62: fits int64
-
-
-KEEP_WEIGHTS_UP_TO = 0.15  # sleep_level None: level 0 while vLLM's weights take at most this share of the GPU
-KV_CACHE_CAP = 0.4  # the default KV cache takes at most this share of the GPU (vLLM then queues the rest)
 
 
 def kv_heads_per_rank(config, tp_size: int) -> tuple[int, int]:
@@ -83,24 +79,11 @@ def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_m
 
     Per token and rank: keys and values of every layer, for this rank's kv heads (kv_heads_per_rank). Exact for
     dense attention, an overestimate for sliding windows or latent attention. At least 0.5 GiB, at most KV_CACHE_CAP
-    of the GPU.
+    of the GPU (common/run/gpus.py).
     """
     kv_heads, head_dim = kv_heads_per_rank(config, tp_size)
     bytes_per_token = 2 * config.get_text_config().num_hidden_layers * kv_heads * head_dim * dtype.itemsize
     return kv_cache_size_gib(bytes_per_token, sequences, max_model_len, device_gib)
-
-
-def kv_cache_size_gib(bytes_per_token: float, sequences: float, max_model_len: int, device_gib: float) -> float:
-    """kv_cache_gib's size (also common/run/planner.py's): `sequences` in blocks of 16 tokens, a tenth more, at least
-    0.5 GiB, at most KV_CACHE_CAP of the GPU."""
-    tokens = sequences * math.ceil(max_model_len / 16) * 16  # vLLM's blocks hold 16 tokens
-    return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
-
-
-def default_sleep_level(weight_bytes: int, device_bytes: int, keep_weights: bool = False) -> int:
-    """0 (weights stay on the GPU) when they take at most KEEP_WEIGHTS_UP_TO of it, else 2 (dropped), or with
-    keep_weights (a base loaded once) 1 (parked in CPU memory)."""
-    return 0 if weight_bytes <= KEEP_WEIGHTS_UP_TO * device_bytes else 1 if keep_weights else 2
 
 
 class VLLMRolloutEngine:
