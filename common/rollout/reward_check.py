@@ -6,7 +6,7 @@ from common.rollout.rewards import RewardScorer
 from common.run.distributed import decided_by_rank0
 
 
-def check_reward_fits(args, rows: list[dict], sample: int = 64) -> None:
+def check_reward_fits(args, rows: list[dict] | None, sample: int = 64) -> None:
     """Collective over the launch: the reward must score the data's own gold answers, given as completions, as
     nearly all correct (at least 90% of the first `sample` held-out rows); a reward that does not fit the data
     (the GSM8K reward on MATH solutions, say) stops the run with one line naming the built-in reward that fits.
