@@ -23,15 +23,15 @@ a reference model of another architecture, reward-model ensembles, length-contro
         --dataset-config harmless-base
 """
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from common.data.preference_source import (DatasetExamples, OnlineExamples, PreferenceDataArgs, ReferenceLogps,
-                                           example_length, example_logps, load_examples, response_lengths)
+from common.data.preference_source import (PreferenceDataArgs, default_eval_size, example_length, example_logps,
+                                           example_source, held_out_metrics, load_examples, reference_for,
+                                           response_lengths, share_examples)
 from common.data.preferences import unpair
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
@@ -46,14 +46,13 @@ from common.run.resume import Checkpoints, TrainedModel
 from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
-from common.train.batching import empty_backward, plan_equal_micro_batches, share_samples_evenly
+from common.train.batching import empty_backward, plan_equal_micro_batches
 from common.train.logprobs import model_token_mask
-from common.train.loading import load_frozen_reward_model, load_policy, load_reference
+from common.train.loading import load_frozen_reward_model, load_policy
 from common.train.lora import LoraArgs, check_lora_args, default_lr
 from common.train.model import load_tokenizer
 from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
-from common.train.sequence_parallel import data_parallel
 
 
 # An example, a dict, as the update takes it, and where each key comes from:
@@ -130,8 +129,9 @@ FIXED_ON_RESUME = fixed_on_resume(Args, "model", "online", "group_size", "prompt
 def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
     """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
     and starts from random weights; offline --steps is one epoch, set once the data is loaded: load_examples);
-    then, once the flags are checked, activation checkpointing where the planner forecasts that the step would not
-    fit without it (GPUs only). Returns the lines printed at start-up: the values chosen, and the forecast."""
+    then, once the flags are checked, the held-out size (which may count the data's rows) and activation
+    checkpointing where the planner forecasts that the step would not fit without it (GPUs only). Returns the lines
+    printed at start-up: the values chosen, and the forecast."""
     unset = asdict(args)
     builtin = args.dataset is None
     args.lr = default_lr(1e-3 if args.model is None else 5e-7, args) if args.lr is None else args.lr
@@ -147,6 +147,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
         fill_rollout_defaults(args)  # the engine, reward processes, --precision auto
     args.ref_cache = "none" if args.online else args.ref_cache  # online, the pairs are new every step
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    args.eval_size = default_eval_size(args) if args.eval_size is None else args.eval_size  # may count the rows
     forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
     return [chosen_values(unset, asdict(args)), *forecast]
 
@@ -382,34 +383,18 @@ def step_metrics(sums: dict, args: Args, world: int) -> dict[str, float]:
             "logps/rejected": mean("logp_rejected")}
 
 
-@torch.no_grad()
-def evaluate(policy, reference, rows: list[dict] | None, args: Args, rank: int, world: int, device) -> dict:
-    """Collective: held-out accuracy of the implicit reward, every rank a share of the rows: on pairs, the chosen
-    response's reward above the rejected one's (preference accuracy; with kto, the margin and loss are DPO's); on
-    KTO's unpaired rows, the completion's reward on the side of 0 its label says."""
-    if not rows:
-        return {}
-    group, groups = data_parallel(rank, world)  # a sequence-parallel group's ranks share their rows
-    mine, unpaired = rows[group::groups], "label" in rows[0]
-    reference.add_to(mine)
-    sums = dict.fromkeys(["loss", "correct", "margin"], 0.0) | {"rows": len(mine)}
-    lengths = [example_length(r) for r in mine]
-    for indices in plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device):
-        if not indices:  # this rank ran out of rows: a dummy pass keeps FSDP's collectives in step
-            example_logps(policy, [])
-            continue
-        losses, _, stats = micro_batch_losses(policy, [mine[i] for i in indices], args, device,
-                                              loss_type="kto" if unpaired else args.loss_type.replace("kto", "sigmoid"))
-        sums["loss"] += losses.sum().item()
-        sums["correct"] += stats["correct"]
-        sums["margin"] += stats.get("reward_chosen", 0) - stats.get("reward_rejected", 0)
-    policy.reshard()
-    sums = sum_over_ranks(sums, device)
-    n = max(sums["rows"], 1)
-    if unpaired:
-        return {"eval/label_accuracy": sums["correct"] / n}
-    return {"eval/preference_accuracy": sums["correct"] / n, "eval/margin": sums["margin"] / n,
-            "eval/loss": sums["loss"] / n}
+def evaluate(policy, reference, rows: list[dict] | None, task_eval: dict, args: Args, rank: int, world: int,
+             device) -> dict:
+    """Collective: the held-out rows' accuracy of the implicit reward (held_out_metrics), each micro-batch's by this
+    script's loss: KTO's unpaired rows by kto, pairs by the run's pair loss (with kto: DPO's sigmoid, for the margin
+    and loss); with the task's greedy accuracy `task_eval`, measured just before."""
+
+    def losses_of(examples: list[dict], unpaired: bool):
+        loss_type = "kto" if unpaired else args.loss_type.replace("kto", "sigmoid")
+        return micro_batch_losses(policy, examples, args, device, loss_type=loss_type)
+
+    return {**held_out_metrics(policy, reference, rows, losses_of, args.max_tokens_per_micro_batch, rank, world,
+                               device), **task_eval}
 
 
 def check_start(sums: dict, args: Args) -> None:
@@ -440,8 +425,7 @@ def main(args: Args):
     # Data: offline, pairs or KTO's rows and held-out ones; prompts with answers, online and for the built-in task.
     tokenizer = load_tokenizer(args.model)
     rows, eval_rows, task_rows, eval_task_rows, notes = load_examples(args, tokenizer)
-    if task_rows is not None:  # the reward must score the data's own gold answers as correct
-        check_reward_fits(args, eval_task_rows)
+    check_reward_fits(args, eval_task_rows)  # the reward must score the data's own gold answers (if any) as correct
     run_dir = open_run_dir("dpo", given, asdict(args), FIXED_ON_RESUME)
     if not placement.trains:  # split placement's rollout ranks: generate and score for the trainers, to the end
         return serve_rollouts(args, placement, tokenizer, task_rows, eval_task_rows, device, run_dir.path,
@@ -449,9 +433,7 @@ def main(args: Args):
 
     # Models: the policy (LoRA: adapters on a frozen base); a reference unless cached (LoRA: the base); a reward model.
     policy = load_policy(args, tokenizer, device, packed_rows=True)
-    ref_model = None
-    if args.ref_cache == "none" and args.loss_type != "simpo":
-        ref_model = policy if args.lora_rank else load_reference(args, tokenizer, device)
+    reference = reference_for(args, policy, tokenizer, device)  # of examples: a frozen model's log-probs, or cached
     reward_model, rm_tokenizer = load_frozen_reward_model(args, device) if args.reward_model else (None, None)
     optimizer, scheduler = make_optimizer(policy, args.lr, args.weight_decay, args.warmup_steps, args.adam_beta2)
     logger, timer, perf = start_logging(args, run_dir, rank, world, device, chosen + notes, [policy])
@@ -461,39 +443,29 @@ def main(args: Args):
     rollouts = None if task_rows is None else make_rollouts(args, placement, policy, tokenizer, task_rows,
                                                             eval_task_rows, device, run_dir.path, run_dir.start_step,
                                                             logger, timer)
-    if args.online:
-        source = OnlineExamples(rollouts, lambda samples: make_online_pairs(samples, args), reward_model, rm_tokenizer,
-                                tokenizer, args.max_tokens_per_micro_batch, device, timer)
-    else:
-        source = DatasetExamples(rows, args.pairs_per_step // world, rank, world, args.seed, rollouts)
-    reference = ReferenceLogps(ref_model, None, args.max_tokens_per_micro_batch, device)
-    if ref_model is None and args.loss_type != "simpo" and not args.online:  # before any update: policy == reference
-        with timer("reference", setup=True):
-            reference.cache_from(policy, rows, eval_rows, args, rank, world, device, logger)
-    moving = {"reference": TrainedModel(ref_model)} if ref_model is not None and args.ref_update_every else {}
+    source = example_source(args, rows, rollouts, make_online_pairs, reward_model, rm_tokenizer, tokenizer, rank, world,
+                            device, timer)
+    reference.cache_from(policy, rows, eval_rows, args, rank, world, device, logger, timer)  # policy == reference now
+    moving = ({"reference": TrainedModel(reference.frozen)} if reference.frozen is not None and args.ref_update_every
+              else {})
     checkpoints = Checkpoints(args, run_dir, logger, timer, tokenizer, source,
                               TrainedModel(policy, optimizer, scheduler, args.lr), moving)
     first_eval, last_eval = map(checkpoints.resume().get, ("first_eval", "last_eval"))
     # A fresh colocated run's greedy task accuracy; in split placement the rollout ranks get their first weights.
     initial_task_eval = source.start()
-
-    def held_out(task_eval: dict) -> dict:  # the preference data's held-out accuracy, with the task's
-        return {**evaluate(policy, reference, eval_rows, args, rank, world, device), **task_eval}
-
-    if not run_dir.resume_from:
+    if not run_dir.resume_from:  # the preference data's held-out accuracy, with the task's
         with timer("eval"):
-            first_eval = last_eval = held_out(initial_task_eval)
+            first_eval = last_eval = evaluate(policy, reference, eval_rows, initial_task_eval, args, rank, world,
+                                              device)
         logger.log(0, {**first_eval, **timer.pop()}, advance=False)
     timer.pop()
 
     stop, start_checked = False, run_dir.resume_from is not None
     for step in range(run_dir.start_step + 1, args.steps + 1):
-        step_start = timer.start_step(step)
+        timer.start_step(step)
         # 1. Examples: the step's pairs (KTO: labelled rows), from the dataset or sampled, scored and paired online.
         examples, metrics = source.next_batch(step)
-        lengths = [example_length(e) for e in examples]
-        counted = {"tokens": sum(lengths), "count": len(examples)}  # before sharing: each example once
-        examples, _ = share_samples_evenly(examples, lengths, world, rank)
+        examples, counted = share_examples(examples, world, rank)  # about the same tokens on every rank
 
         # 2. Reference log-probs: cached, or from the frozen reference (itself the policy of --ref-update-every ago).
         perf.start()
@@ -511,7 +483,7 @@ def main(args: Args):
             start_checked = True
         if args.ref_update_every and step % args.ref_update_every == 0:
             with timer("reference"):  # iterative DPO: the reference moves up to the current policy
-                ref_model.load_state_dict(policy.state_dict())
+                reference.frozen.load_state_dict(policy.state_dict())
 
         # 4. Weight sync to the rollout engines (not after a stop signal on any rank: every rank saves and stops).
         stop = stop_agreed(device)
@@ -520,14 +492,12 @@ def main(args: Args):
         # 5. Log.
         metrics.update({**step_metrics(sums, args, world), **router_metrics(policy, device)})  # MoE: expert load
         checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
-        step_seconds = time.perf_counter() - step_start
-        metrics.update({"policy/lr": scheduler.get_last_lr()[0], "time/step": step_seconds,
-                        "perf/tokens_per_s": sums["tokens"] / step_seconds,
-                        **perf.metrics(sums["tokens"], timer.seconds["time/update"],
-                                       getattr(rollouts, "rollout_memory", 0))})
+        metrics.update({"policy/lr": scheduler.get_last_lr()[0],
+                        **perf.step_metrics(sums["tokens"], timer, getattr(rollouts, "rollout_memory", 0))})
         if args.eval_every and step % args.eval_every == 0 or step == args.steps:
             with timer("eval"):
-                last_eval = held_out(source.evaluate_task(step))
+                last_eval = evaluate(policy, reference, eval_rows, source.evaluate_task(step), args, rank, world,
+                                     device)
             metrics.update(last_eval)
         checkpoints.export(step)
         logger.log(step, {**metrics, **timer.pop()})

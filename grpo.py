@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from common.data.prompts import PromptDataArgs, load_prompts
+from common.data.prompts import PromptDataArgs, default_prompt_eval_size, load_prompts
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
@@ -277,9 +277,9 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
 
 def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
     """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
-    and starts from random weights); then, once the flags are checked, activation checkpointing where the planner
-    forecasts that the step would not fit without it (GPUs only). Returns the lines printed at start-up: the values
-    chosen, and the forecast."""
+    and starts from random weights); then, once the flags are checked, the held-out size (which may count the
+    data's rows) and activation checkpointing where the planner forecasts that the step would not fit without it
+    (GPUs only). Returns the lines printed at start-up: the values chosen, and the forecast."""
     unset = asdict(args)
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "gsm8k")
@@ -287,6 +287,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
     args.lr = default_lr(5e-4 if args.model is None else 1e-6, args) if args.lr is None else args.lr
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    args.eval_size = default_prompt_eval_size(args) if args.eval_size is None else args.eval_size  # may count rows
     forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
     return [chosen_values(unset, asdict(args)), *forecast]
 

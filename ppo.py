@@ -25,12 +25,11 @@ critic sharing the policy's body.
         --dataset-config main --prompt-key question --reward-fn gsm8k
 """
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from common.data.prompts import PromptDataArgs, load_prompts
+from common.data.prompts import PromptDataArgs, default_prompt_eval_size, load_prompts
 from common.rollout.args import RolloutArgs, check_rollout_args, default_response_len, fill_rollout_defaults
 from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
@@ -374,7 +373,8 @@ def warm_up_critic(critic, optimizer, scheduler, samples: list[dict], args: Args
     return {"critic/warmup_updates": updates, "critic/warmup_explained_variance": ev}
 
 
-def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: Args, world: int, device) -> dict:
+def step_metrics(samples: list[dict], generated: list[dict], stats: dict, policy, args: Args, world: int,
+                 device) -> dict:
     """Collective: what is logged of a step, over all ranks. generated: the samples as the rollout gave them (this
     rank's share of generation); samples: this rank's training share, with scores, values and advantages."""
     lengths = sample_lengths(samples)
@@ -408,15 +408,16 @@ def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: 
         "advantage/mean": advantage_mean, "total_tokens": sums["total_tokens"],
         "advantage/std": max(sums["advantage_sq"] / tokens - advantage_mean ** 2, 0.0) ** 0.5,
         **batching_metrics(plan_equal_micro_batches(lengths, args.max_tokens_per_micro_batch, device), lengths, device),
-        **rollout_mismatch_metrics(samples, args.tis_cap, device)}  # the engine's log-probs against the trainer's
+        **rollout_mismatch_metrics(samples, args.tis_cap, device),  # the engine's log-probs against the trainer's
+        **router_metrics(policy, device)}  # MoE: expert load and router entropy of the update's passes
     return metrics
 
 
 def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.device("cpu")) -> list[str]:
     """Every value chosen for the user, in one place: the flags left unset, from the task (the built-in one is tiny
-    and starts from random weights); then, once the flags are checked, activation checkpointing where the planner
-    forecasts that the step would not fit without it (GPUs only). Returns the lines printed at start-up: the values
-    chosen, and the forecast."""
+    and starts from random weights); then, once the flags are checked, the held-out size (which may count the
+    data's rows) and activation checkpointing where the planner forecasts that the step would not fit without it
+    (GPUs only). Returns the lines printed at start-up: the values chosen, and the forecast."""
     unset = asdict(args)
     builtin = args.dataset is None
     args.reward_fn = args.reward_fn or ("synthetic" if builtin else "none" if args.reward_model else "gsm8k")
@@ -426,6 +427,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
                       else args.critic_lr)
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
+    args.eval_size = default_prompt_eval_size(args) if args.eval_size is None else args.eval_size  # may count rows
     forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
     return [chosen_values(unset, asdict(args)), *forecast]
 
@@ -469,13 +471,11 @@ def main(args: Args):
                               export_more={"critic": critic}, probes=[train_rows[0]["prompt"]],
                               on_gpu=lambda: offload.on_gpu(critic, critic_optimizer, optimizer))
     checkpoints.resume()
-    if initial_eval := rollouts.start():  # a fresh run evaluates its initial weights (colocated)
-        logger.log(0, {**initial_eval, **timer.pop()}, advance=False)
-    timer.pop()
+    logger.log_step_zero(rollouts.start(), timer)  # a fresh run evaluates its initial weights (colocated)
 
     stop = False
     for step in range(run_dir.start_step + 1, args.steps + 1):
-        step_start = timer.start_step(step)
+        timer.start_step(step)
         generator = shuffle_generator(args.seed, rank, world, step)  # of the mini-batches: as a resumed run would
 
         # 1. Rollout: group_size responses per prompt, each with its rule reward.
@@ -513,14 +513,11 @@ def main(args: Args):
         metrics.update(rollouts.publish(step, stop))
 
         # 7. Log.
-        metrics.update(step_metrics(samples, generated, stats, args, world, device))
-        metrics.update(router_metrics(policy, device))  # MoE: expert load and router entropy of the update's passes
+        metrics.update(step_metrics(samples, generated, stats, policy, args, world, device))
         checkpoints.bad_steps.record(metrics["update/skipped"] > 0, step)  # raises after --max-bad-steps in a row
-        total_tokens, step_seconds = metrics.pop("total_tokens"), time.perf_counter() - step_start
+        total_tokens = metrics.pop("total_tokens")  # each epoch of the update passes every one of them
         metrics.update({"policy/lr": scheduler.get_last_lr()[0], "critic/lr": critic_scheduler.get_last_lr()[0],
-                        "time/step": step_seconds, "perf/tokens_per_s": total_tokens / step_seconds,
-                        **perf.metrics(total_tokens * args.epochs, timer.seconds["time/update"],
-                                       rollouts.rollout_memory),
+                        **perf.step_metrics(total_tokens, timer, rollouts.rollout_memory, total_tokens * args.epochs),
                         **rollouts.evaluate(step)})  # held-out greedy accuracy, when due
         checkpoints.export(step)
         logger.log(step, {**metrics, **timer.pop()})

@@ -16,9 +16,17 @@ import shutil
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from sharding.lora import merged_state_dict, save_peft_adapter, scalings
+
+
+def checkpoint_dtype(model: str | None) -> torch.dtype:
+    """The dtype a checkpoint was published in (exports are written in it); fp32 for the built-in tiny model."""
+    dtype = None if model is None else AutoConfig.from_pretrained(model).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
 
 
 def saved_as_plain_backend(path: str) -> bool:

@@ -23,6 +23,11 @@ def is_lora_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
 
 
+def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """peft's adapted layers of the model (none without LoRA)."""
+    return [module for module in model.modules() if is_lora_layer(module)]
+
+
 def is_adapter_weight(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

@@ -313,6 +313,13 @@ def test_cached_reference_equals_a_live_one_and_a_new_key_recomputes(pieces):
     assert notes[2].endswith(", 6 computed") and len(pieces[0]["cache_files"]) == 2  # other rows: another key
 
 
+def test_resolve_defaults_chooses_and_prints_the_eval_size():
+    """--eval-size unset: resolve_defaults sets it (the built-in task: 256 held-out pairs and prompts) and names it
+    among the values chosen for you."""
+    args = dpo.Args()
+    assert "--eval-size 256" in dpo.resolve_defaults(args)[0] and args.eval_size == 256
+
+
 def test_start_check_catches_a_broken_mask(pieces):
     message = pieces[0]["broken_check"]
     assert message is not None and "the sigmoid loss must be 0.6931 and the implicit rewards 0" in message

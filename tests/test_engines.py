@@ -105,7 +105,8 @@ def test_keys_too_narrow_for_vllms_cache_write_are_refused_before_it_starts(tmp_
 
 
 def test_default_kv_cache_holds_the_sequences_of_a_step():
-    from common.rollout.vllm_memory import default_sleep_level, kv_cache_gib
+    from common.rollout.vllm_memory import kv_cache_gib
+    from common.run.gpus import default_sleep_level
     # Qwen2.5-0.5B: 24 layers, 2 kv heads of 64 dims. In bf16, keys and values take 2 * 24 * 2 * 64 * 2 = 12,288
     # bytes a token, so 256 sequences of 1,024 tokens take 3 GiB, and 3.3 GiB with the tenth added.
     config = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24)

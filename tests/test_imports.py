@@ -17,21 +17,16 @@ LAYERS = ["common.run", "common.train", "common.data", "common.rollout"]
 # Edges against the layers today, each with what removes it. Remove an entry with its import
 # (test_allowed_upward_edges_still_exist fails on one whose import is gone).
 ALLOWED_UPWARD = {
-    # The run's reports and checkpoints read the trained models: the health line (the FSDP mesh, sequence parallelism),
-    # the logger's MFU (flop_weighted_params), resume.py (LoRA layers, the checkpoint dtype, the optimizer's
-    # hyperparameters), the start-up plan (the model's config). Removed by moving these modules above train/, or
-    # by their callers passing what they read.
+    # The run's reports and checkpoints read the trained models: the health line (the FSDP mesh and the
+    # sequence-parallel groups, which train/ sets up and keeps), the logger's MFU (flop_weighted_params: a mixture of
+    # experts' active share), resume.py (the bad-step counter saved with a state, the optimizer's hyperparameters set
+    # after loading one), the start-up plan (the model's config). Removed by moving these modules above train/, or by
+    # their callers passing what they read.
     ("common.run.health", "common.train.model"),
     ("common.run.health", "common.train.sequence_parallel"),
     ("common.run.logger", "common.train.lora"),
-    ("common.run.resume", "common.train.lora"),
-    ("common.run.resume", "common.train.model"),
     ("common.run.resume", "common.train.optim"),
     ("common.run.run_plan", "common.train.model"),
-    # The planner's model mirrors the rules it forecasts: vLLM's default sleep level and KV cache size, and which
-    # sequence-parallel sizes split the heads. Removed by moving those rules down into common/run/.
-    ("common.run.planner", "common.rollout.vllm_memory"),
-    ("common.run.planner", "common.train.sequence_parallel"),
     # The built-in tiny model's config and tokenizer live with the built-in task (common/data/synthetic.py).
     ("common.train.model", "common.data.synthetic"),
     ("common.train.value_models", "common.data.synthetic"),

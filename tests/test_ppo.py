@@ -1,6 +1,7 @@
 """PPO math against hand-computed values (with the split-invariant means and statistics ppo.py takes from
 common/train/batching.py), and the global statistics on 2 gloo ranks == 1 rank."""
 
+import json
 import math
 import os
 
@@ -10,6 +11,19 @@ import torch
 import ppo
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
+
+
+def test_resolve_defaults_chooses_and_prints_the_eval_size(tmp_path):
+    """--eval-size unset: resolve_defaults sets it (a tenth of a 36-row file, held out of it) and names it among the
+    values chosen for you; given, it stays as it is and is not named."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(36)))
+    args = ppo.Args(dataset=str(path))
+    assert "--eval-size 3" in ppo.resolve_defaults(args)[0] and args.eval_size == 3
+    args = ppo.Args(dataset=str(path), eval_size=5)
+    assert "--eval-size" not in ppo.resolve_defaults(args)[0] and args.eval_size == 5
+    args = ppo.Args()  # the built-in task: the first 256 rows of its test split
+    assert "--eval-size 256" in ppo.resolve_defaults(args)[0] and args.eval_size == 256
 
 
 def test_token_rewards_by_hand():

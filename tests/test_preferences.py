@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 import dpo
-from common.data.preferences import load_pairs, load_preference_rows, tokenize_pairs
+from common.data.preferences import default_pair_eval_size, load_pairs, load_preference_rows, tokenize_pairs
 
 HH_RLHF = "/work/shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
 
@@ -155,6 +155,18 @@ def preference_rows(**flags):
 
 def prompt_ids(rows):
     return [row["prompt_ids"] for row in rows]
+
+
+def test_default_eval_size_counts_the_usable_pairs(tmp_path):
+    """--eval-size unset, pairs held out of a file (dpo.py's resolve_defaults): a tenth of the pairs that train, the
+    identical ones left out (40 of 50 rows: 4), as load_preference_rows holds them out; 256 with a held-out set."""
+    rows = pairs_to(",".join("a" if i % 2 else "e f" for i in range(40))) + [{"prompt": "a", "chosen": "b",
+                                                                           "rejected": "b"}] * 10
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    assert default_pair_eval_size(dpo.Args(dataset=path)) == 4
+    assert len(preference_rows(dataset=path)[1]) == 4
+    assert default_pair_eval_size(dpo.Args(dataset=path, eval_dataset=path)) == 256
+    assert default_pair_eval_size(dpo.Args()) == 256
 
 
 def test_pairs_from_a_directory_and_from_an_eval_dataset(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from common.data.prompts import PromptSampler, load_rows, load_train_eval, tokenize_prompts
+from common.data.prompts import PromptSampler, default_prompt_eval_size, load_rows, load_train_eval, tokenize_prompts
 
 # Numeric answers, as in GSM8K-style files: they come back as text.
 ROWS = [{"question": "one plus one", "answer": 2}, {"question": "two plus two", "answer": 4}]
@@ -159,6 +159,25 @@ def test_default_hold_out_is_a_tenth_of_a_small_file(tmp_path, num_rows, held_ou
     path = write_rows(tmp_path / "data.jsonl", [{"question": f"q{i}", "answer": i} for i in range(num_rows)])
     train, evaluation = load_train_eval(path, "question", "answer")
     assert len(evaluation) == held_out and len(train) == num_rows - held_out
+
+
+def test_default_eval_size_is_the_hold_out_the_data_gets(tmp_path):
+    """--eval-size unset (a script's resolve_defaults): a tenth of a small file, counted as load_train_eval holds it
+    out; 256 where the held-out rows come from elsewhere (an eval split, --eval-dataset, the built-in task)."""
+    def flags(**given):
+        return types.SimpleNamespace(**{"dataset": None, "dataset_config": None, "eval_split": "test",
+                                        "eval_dataset": None, **given})
+
+    for num_rows in (36, 300, 5000, 9):
+        path = write_rows(tmp_path / f"data{num_rows}.jsonl", numbered("q", num_rows))
+        size = default_prompt_eval_size(flags(dataset=path))
+        assert size == len(load_train_eval(path, "question", "answer")[1]) == min(256, max(1, num_rows // 10))
+    (tmp_path / "split").mkdir()
+    write_rows(tmp_path / "split" / "train.jsonl", numbered("t", 10))
+    write_rows(tmp_path / "split" / "test.jsonl", numbered("e", 4))
+    assert default_prompt_eval_size(flags(dataset=str(tmp_path / "split"))) == 256
+    assert default_prompt_eval_size(flags(dataset=str(tmp_path / "data36.jsonl"), eval_dataset="elsewhere")) == 256
+    assert default_prompt_eval_size(flags()) == 256
 
 
 def fake_hub(monkeypatch, splits):

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.data.preferences import load_preference_rows
-from common.data.prompts import EvalDataArgs, PromptSampler, load_prompts
+from common.data.preferences import default_pair_eval_size, load_preference_rows
+from common.data.prompts import EvalDataArgs, PromptSampler, default_prompt_eval_size, load_prompts
 from common.run.distributed import sum_over_ranks
-from common.train.batching import plan_equal_micro_batches
+from common.train.batching import plan_equal_micro_batches, share_samples_evenly
+from common.train.loading import load_reference
 from common.train.logprobs import packed_response_logprobs
 from common.train.lora import adapters_off
 from common.train.model import stop_token_ids
@@ -86,8 +87,8 @@ def example_length(example: dict) -> int:
 
 def example_logps(model, examples: list[dict], which: tuple[int, ...] = (0, 1)) -> list[torch.Tensor]:
     """Summed log-probs [examples] of the responses `which` (0: chosen / completion, 1: rejected / KL partner) of
-    every example (of the model's own tokens, where a response is a multi-turn episode), all in one packed forward; an empty `examples` runs a dummy (a rank's zero-weight filler pass),
-    and each result is then its one value."""
+    every example (of the model's own tokens, where a response is a multi-turn episode), all in one packed forward;
+    an empty `examples` runs a dummy (a rank's zero-weight filler pass), and each result is then its one value."""
     sequences = [dict(prompt_ids=e["prompt_ids"], response_ids=response_pair(e)[k], mask=response_masks(e)[k])
                  for e in examples for k in which]
     logprobs, _ = packed_response_logprobs(model, sequences, temperature=1.0)
@@ -175,9 +176,12 @@ class ReferenceLogps:
         self.frozen, self.cache, self.budget, self.device = frozen, cache, budget, device
 
     def cache_from(self, policy, train_rows: list[dict], eval_rows: list[dict], args, rank: int, world: int, device,
-                   logger) -> None:
-        """Collective, before the first update: the cache (cached_reference_logps) in place of a frozen model."""
-        self.cache = cached_reference_logps(policy, train_rows, eval_rows, args, rank, world, device, logger)
+                   logger, timer) -> None:
+        """Collective, before the first update (the policy is the reference then), where the run has no frozen
+        reference and its loss reads one (offline, but for simpo): the cache (cached_reference_logps)."""
+        if self.frozen is None and args.loss_type != "simpo" and not args.online:
+            with timer("reference", setup=True):
+                self.cache = cached_reference_logps(policy, train_rows, eval_rows, args, rank, world, device, logger)
 
     @torch.no_grad()
     def mismatched_kl(self, policy, rows: list[dict]) -> float:
@@ -206,6 +210,67 @@ class ReferenceLogps:
             logps = [self.cache[e["index"]] if self.cache else (0.0, 0.0) for e in examples]
         for e, pair in zip(examples, logps):
             e["ref"] = pair
+
+
+def reference_for(args, policy, tokenizer, device) -> ReferenceLogps:
+    """The reference a run's loss compares the policy with: with --ref-cache none (and --online) a frozen model, the
+    LoRA policy's own base or else a copy of --model as it starts; otherwise the cache that cache_from fills. simpo
+    has none."""
+    frozen = None
+    if args.ref_cache == "none" and args.loss_type != "simpo":
+        frozen = policy if args.lora_rank else load_reference(args, tokenizer, device)
+    return ReferenceLogps(frozen, None, args.max_tokens_per_micro_batch, device)
+
+
+@torch.no_grad()
+def held_out_metrics(policy, reference, rows: list[dict] | None, losses_of, budget: int, rank: int, world: int,
+                     device) -> dict:
+    """Collective: held-out accuracy of the implicit reward, every rank a share of the rows: on pairs, the chosen
+    response's reward above the rejected one's (preference accuracy, with the mean margin and loss); on KTO's
+    unpaired rows, the completion's reward on the side of 0 its label says. losses_of(examples, unpaired) ->
+    (losses [n], nll, stats) is the script's loss of a packed micro-batch of `budget` tokens; its stats count the
+    "correct" and sum the chosen and rejected rewards."""
+    if not rows:
+        return {}
+    group, groups = data_parallel(rank, world)  # a sequence-parallel group's ranks share their rows
+    mine, unpaired = rows[group::groups], "label" in rows[0]
+    reference.add_to(mine)
+    sums = dict.fromkeys(["loss", "correct", "margin"], 0.0) | {"rows": len(mine)}
+    for indices in plan_equal_micro_batches([example_length(r) for r in mine], budget, device):
+        if not indices:  # this rank ran out of rows: a dummy pass keeps FSDP's collectives in step
+            example_logps(policy, [])
+            continue
+        losses, _, stats = losses_of([mine[i] for i in indices], unpaired)
+        sums["loss"] += losses.sum().item()
+        sums["correct"] += stats["correct"]
+        sums["margin"] += stats.get("reward_chosen", 0) - stats.get("reward_rejected", 0)
+    policy.reshard()
+    sums = sum_over_ranks(sums, device)
+    n = max(sums["rows"], 1)
+    if unpaired:
+        return {"eval/label_accuracy": sums["correct"] / n}
+    return {"eval/preference_accuracy": sums["correct"] / n, "eval/margin": sums["margin"] / n,
+            "eval/loss": sums["loss"] / n}
+
+
+def share_examples(examples: list[dict], world: int, rank: int) -> tuple[list[dict], dict]:
+    """Collective: this rank's share of the step's examples, about the same tokens on every rank
+    (share_samples_evenly), and what they count before sharing (each example once): "tokens" and "count"."""
+    lengths = [example_length(e) for e in examples]
+    counted = {"tokens": sum(lengths), "count": len(examples)}
+    return share_samples_evenly(examples, lengths, world, rank)[0], counted
+
+
+def example_source(args, rows: list[dict] | None, rollouts, make_pairs, reward_model, rm_tokenizer, tokenizer,
+                   rank: int, world: int, device, timer):
+    """Where the loop's examples come from: offline, the dataset's `rows` (DatasetExamples); --online, the policy's
+    samples from `rollouts`, scored (with the reward model, if any) and paired by make_pairs(samples, args) ->
+    (examples, sums), the script's pairing (OnlineExamples). `rollouts` (None where no prompts have answers) also
+    measures greedy task accuracy."""
+    if not args.online:
+        return DatasetExamples(rows, args.pairs_per_step // world, rank, world, args.seed, rollouts)
+    return OnlineExamples(rollouts, lambda samples: make_pairs(samples, args), reward_model, rm_tokenizer, tokenizer,
+                          args.max_tokens_per_micro_batch, device, timer)
 
 
 class DatasetExamples:
@@ -282,6 +347,12 @@ class OnlineExamples:
 
     def load_state_dict(self, state: dict) -> None:
         self.rollouts.load_state_dict(state)
+
+
+def default_eval_size(args) -> int:
+    """--eval-size's default for dpo.py (its resolve_defaults), as load_examples reads the data: of the prompts online,
+    else of the pairs or KTO's rows (the built-in task's pairs and prompts both: 256)."""
+    return default_prompt_eval_size(args) if args.online else default_pair_eval_size(args)
 
 
 def load_examples(args, tokenizer) -> tuple:

@@ -16,7 +16,7 @@ import os
 import torch
 
 from common.data.dataset_reader import check_eval_dataset, check_table, first_line, read_split, train_eval_tables
-from common.data.prompts import DEFAULT_EVAL_SIZE
+from common.data.prompts import held_out_size
 from common.data.synthetic import make_synthetic_pairs
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
@@ -326,6 +326,28 @@ def add_kl_partners(rows: list[dict], max_len: int, seed: int) -> list[dict]:
     return rows
 
 
+def rows_of_table(args, table, dataset: str) -> tuple[list[dict], dict, bool]:
+    """(rows, stats, unpaired?) of one table of dpo.py's data (`dataset`: its name for messages): KTO's unpaired rows
+    where it has --completion-key and --label-key, else pairs."""
+    if args.completion_key in table.column_names and args.label_key in table.column_names:
+        if args.loss_type != "kto":
+            raise ValueError(f"{dataset}: unpaired rows ({args.completion_key!r}, {args.label_key!r}) train "
+                             f"--loss-type kto; the other losses need pairs ({args.chosen_key!r}, "
+                             f"{args.rejected_key!r})")
+        return *unpaired_from_table(table, dataset, args.prompt_key, args.completion_key, args.label_key), True
+    return *pairs_from_table(table, dataset, args.prompt_key, args.chosen_key, args.rejected_key), False
+
+
+def default_pair_eval_size(args) -> int:
+    """--eval-size's default for dpo.py's offline data (its resolve_defaults): held_out_size, which reads the
+    training rows to count them only where the held-out rows would be cut from them (a file, or a dataset without
+    --eval-split, and no --eval-dataset); load_preference_rows reads them again, from the datasets library's cache."""
+    if args.dataset is None or args.eval_dataset is not None:
+        return held_out_size()
+    train, held_out = train_eval_tables(args.dataset, args.dataset_config, args.eval_split)
+    return held_out_size(None if held_out is not None else len(rows_of_table(args, *train)[0]))
+
+
 def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[dict], dict]:
     """Offline data of dpo.py: (train rows, held-out rows, stats). Train rows are tokenized pairs {"prompt_ids",
     "chosen_ids", "rejected_ids"}, or with --loss-type kto unpaired rows {"prompt_ids", "completion_ids", "label",
@@ -333,18 +355,7 @@ def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[di
     (preference accuracy compares the two responses), else unpaired rows. They are the first --eval-size rows of
     --eval-dataset (then all of --dataset's train split trains) or of --dataset's --eval-split, or without either
     the last --eval-size rows of the training data; --dataset unset: the built-in task's pairs."""
-    kto = args.loss_type == "kto"
     check_eval_dataset(args.dataset, args.eval_dataset)
-
-    def read(table, dataset):  # (rows, stats, unpaired?) of one table
-        if args.completion_key in table.column_names and args.label_key in table.column_names:
-            if not kto:
-                raise ValueError(f"{dataset}: unpaired rows ({args.completion_key!r}, {args.label_key!r}) train "
-                                 f"--loss-type kto; the other losses need pairs ({args.chosen_key!r}, "
-                                 f"{args.rejected_key!r})")
-            return *unpaired_from_table(table, dataset, args.prompt_key, args.completion_key, args.label_key), True
-        return *pairs_from_table(table, dataset, args.prompt_key, args.chosen_key, args.rejected_key), False
-
     if args.dataset is None:
         train, stats, unpaired = make_synthetic_pairs("train"), {}, False
         held_out, eval_unpaired = make_synthetic_pairs(args.eval_split), False
@@ -352,23 +363,23 @@ def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[di
         train_table, eval_table = train_eval_tables(args.dataset, args.dataset_config, args.eval_split,
                                                     args.eval_dataset, args.eval_dataset_config,
                                                     args.eval_dataset_split)
-        train, stats, unpaired = read(*train_table)
+        train, stats, unpaired = rows_of_table(args, *train_table)
         if eval_table is not None:
-            held_out, _, eval_unpaired = read(*eval_table)
+            held_out, _, eval_unpaired = rows_of_table(args, *eval_table)
         else:  # a local file, or no eval split: its last --eval-size rows
-            size = args.eval_size or max(1, min(DEFAULT_EVAL_SIZE, len(train) // 10))
+            size = args.eval_size or held_out_size(len(train))
             if size >= len(train):
                 raise ValueError(f"{args.dataset}: --eval-size {size} leaves none of its {len(train)} rows for "
                                  f"training")
             train, held_out, eval_unpaired = train[:-size], train[-size:], unpaired
-    held_out = held_out[:args.eval_size or DEFAULT_EVAL_SIZE]
+    held_out = held_out[:args.eval_size or held_out_size()]
 
     def tokenize(rows, unpaired):
         return tokenize_pairs(rows, tokenizer, args.max_len, args.chat_template, args.max_prompt_len, stop_ids,
                               ("completion",) if unpaired else ("chosen", "rejected"))
 
     (rows, token_stats), (eval_rows, _) = tokenize(train, unpaired), tokenize(held_out, eval_unpaired)
-    if kto:
+    if args.loss_type == "kto":
         rows = add_kl_partners(rows, args.max_len, args.seed) if unpaired else unpair(rows, args.max_len, args.seed)
     if eval_unpaired:
         eval_rows = add_kl_partners(eval_rows, args.max_len, args.seed)

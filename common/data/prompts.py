@@ -111,11 +111,27 @@ def load_rows(
     return _rows_from_table(*read_split(dataset, config, split), prompt_key, answer_key)
 
 
+def held_out_size(num_train_rows: int | None = None) -> int:
+    """How many rows are held out when --eval-size is unset: 256, or a tenth of the training data when they are held
+    out of its `num_train_rows` rows (None: they come from elsewhere) and it has fewer than 2,560."""
+    return DEFAULT_EVAL_SIZE if num_train_rows is None else max(1, min(DEFAULT_EVAL_SIZE, num_train_rows // 10))
+
+
+def default_prompt_eval_size(args) -> int:
+    """--eval-size's default for a script's prompts (its resolve_defaults): held_out_size, which reads the training
+    split to count its rows only where the held-out prompts would be cut from it (a file, or a dataset without
+    --eval-split, and no --eval-dataset); load_prompts reads it again, from the datasets library's cache."""
+    if args.dataset is None or args.eval_dataset is not None:
+        return held_out_size()
+    train, held_out = train_eval_tables(args.dataset, args.dataset_config, args.eval_split)
+    return held_out_size(None if held_out is not None else len(train[0]))
+
+
 def _hold_out(rows: list[dict], eval_size: int | None, seed: int, source: str) -> tuple[list[dict], list[dict]]:
     """A seeded random eval_size rows for evaluation, the rest for training; eval_size None: 256, or a tenth of a
-    smaller file."""
+    smaller file (held_out_size)."""
     if eval_size is None:
-        eval_size = max(1, min(DEFAULT_EVAL_SIZE, len(rows) // 10))
+        eval_size = held_out_size(len(rows))
     if eval_size >= len(rows):
         raise ValueError(f"{source}: eval_size={eval_size} leaves none of its {len(rows)} rows for training")
     permutation = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -6,11 +6,12 @@ from common.rollout.rewards import RewardScorer
 from common.run.distributed import decided_by_rank0
 
 
-def check_reward_fits(args, rows: list[dict], sample: int = 64) -> None:
+def check_reward_fits(args, rows: list[dict] | None, sample: int = 64) -> None:
     """Collective over the launch: the reward must score the data's own gold answers, given as completions, as
     nearly all correct (at least 90% of the first `sample` held-out rows); a reward that does not fit the data
-    (the GSM8K reward on MATH solutions, say) stops the run with one line naming the built-in reward that fits."""
-    if args.skip_reward_check or args.reward_fn == "none":
+    (the GSM8K reward on MATH solutions, say) stops the run with one line naming the built-in reward that fits.
+    rows None (dpo.py's offline pairs, which have no answers): nothing to check."""
+    if rows is None or args.skip_reward_check or args.reward_fn == "none":
         return
 
     def decide():

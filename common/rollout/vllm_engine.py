@@ -33,7 +33,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from common.rollout.completion import Completion, Request
-from common.rollout.vllm_memory import default_sleep_level, kv_cache_gib
+from common.rollout.vllm_memory import kv_cache_gib
+from common.run.gpus import default_sleep_level
 from sharding.vllm_lora import vllm_max_rank, write_adapter
 from sharding.vllm_moe import check_vllm_moe_layout
 from sharding.vllm_sync import adapter_tensors, check_weight_sync, sync_weights_to_vllm

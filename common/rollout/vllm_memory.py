@@ -1,15 +1,11 @@
-"""How much GPU memory a colocated vLLM engine takes, decided before it starts: the KV cache a rollout needs, the
-tensor-parallel widths its cache write cannot take, and whether its weights stay on the GPU while it sleeps
-(common/rollout/vllm_engine.py; common/run/planner.py forecasts with the same sizes). Imports nothing of vLLM.
+"""A model's KV cache in vLLM, decided before the engine starts: its size for a rollout's sequences (the rule itself,
+with the share of the GPU it may take and the sleep level, is common/run/gpus.py's, which the planner forecasts
+with) and the tensor-parallel widths vLLM's cache write cannot take. Imports nothing of vLLM.
 """
-
-import math
 
 import torch
 
-
-KEEP_WEIGHTS_UP_TO = 0.15  # sleep_level None: level 0 while vLLM's weights take at most this share of the GPU
-KV_CACHE_CAP = 0.4  # the default KV cache takes at most this share of the GPU (vLLM then queues the rest)
+from common.run.gpus import kv_cache_size_gib
 
 
 def kv_heads_per_rank(config, tp_size: int) -> tuple[int, int]:
@@ -43,21 +39,8 @@ def kv_cache_gib(config, dtype: torch.dtype, tp_size: int, sequences: int, max_m
 
     Per token and rank: keys and values of every layer, for this rank's kv heads (kv_heads_per_rank). Exact for
     dense attention, an overestimate for sliding windows or latent attention. At least 0.5 GiB, at most KV_CACHE_CAP
-    of the GPU.
+    of the GPU (common/run/gpus.py).
     """
     kv_heads, head_dim = kv_heads_per_rank(config, tp_size)
     bytes_per_token = 2 * config.get_text_config().num_hidden_layers * kv_heads * head_dim * dtype.itemsize
     return kv_cache_size_gib(bytes_per_token, sequences, max_model_len, device_gib)
-
-
-def kv_cache_size_gib(bytes_per_token: float, sequences: float, max_model_len: int, device_gib: float) -> float:
-    """kv_cache_gib's size (also common/run/planner.py's): `sequences` in blocks of 16 tokens, a tenth more, at least
-    0.5 GiB, at most KV_CACHE_CAP of the GPU."""
-    tokens = sequences * math.ceil(max_model_len / 16) * 16  # vLLM's blocks hold 16 tokens
-    return min(max(0.5, 1.1 * tokens * bytes_per_token / 2**30), KV_CACHE_CAP * device_gib)
-
-
-def default_sleep_level(weight_bytes: int, device_bytes: int, keep_weights: bool = False) -> int:
-    """0 (weights stay on the GPU) when they take at most KEEP_WEIGHTS_UP_TO of it, else 2 (dropped), or with
-    keep_weights (a base loaded once) 1 (parked in CPU memory)."""
-    return 0 if weight_bytes <= KEEP_WEIGHTS_UP_TO * device_bytes else 1 if keep_weights else 2

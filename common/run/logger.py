@@ -45,13 +45,15 @@ class StageTimer:
 
     def __init__(self, device: torch.device, hang_timeout_s: float | None = None, output_dir: str | None = None):
         self.device, self.seconds, self.step = device, defaultdict(float), 0
+        self.step_start = time.perf_counter()  # when the step began (start_step)
         self.watchdog = Watchdog(hang_timeout_s, output_dir) if hang_timeout_s else None
 
     def start_step(self, step: int) -> float:
         """The loop starts `step`; returns the time (time.perf_counter) it did."""
         self.step = step
         self._progress("its start")
-        return time.perf_counter()
+        self.step_start = time.perf_counter()
+        return self.step_start
 
     @contextmanager
     def __call__(self, stage: str, waits_for_peers: bool = False, setup: bool = False):
@@ -155,6 +157,14 @@ class Logger:
         tqdm.write(f"step {step:>5} | {shown} | {times}")
         if advance:
             self.bar.update(1)
+
+    def log_step_zero(self, metrics: dict[str, float], timer: StageTimer) -> None:
+        """Before the loop: step 0's row, a fresh run's evaluation of its initial weights (`metrics`; none on a resumed
+        run or where the rollout ranks evaluate) with the times of the stages that made it. The set-up's stage times
+        are dropped either way."""
+        if metrics:
+            self.log(0, {**metrics, **timer.pop()}, advance=False)
+        timer.pop()
 
     def close(self) -> None:
         if self.metrics_file is not None:

@@ -1,5 +1,7 @@
 """Performance metrics: model FLOPs utilisation and GPU memory, as logged every step on GPUs."""
 
+import time
+
 import torch
 
 from common.run.distributed import max_over_ranks
@@ -60,3 +62,14 @@ class StepPerf:
         if self.memory is not None:
             out["perf/peak_memory_gb"] = max_over_ranks(max(rollout_memory, self.memory.peak()) / 1e9, self.device)
         return out
+
+    def step_metrics(self, tokens: float, timer, rollout_memory: int = 0,
+                     trained_tokens: float | None = None) -> dict[str, float]:
+        """Collective on GPUs, at the end of a step: its wall time since `timer` (common/run/logger.py's StageTimer)
+        started it, its throughput (tokens: every prompt and response token of the step, over all ranks) and
+        metrics() of its update (the seconds of the timer's "update" stage; trained_tokens: as metrics() takes them,
+        unset: `tokens`)."""
+        seconds = time.perf_counter() - timer.step_start
+        return {"time/step": seconds, "perf/tokens_per_s": tokens / seconds,
+                **self.metrics(tokens if trained_tokens is None else trained_tokens, timer.seconds["time/update"],
+                               rollout_memory)}

@@ -42,10 +42,10 @@ Mixtures of experts: common/run/shapes.py says how their parameters, activations
 import math
 from dataclasses import dataclass, replace
 
+from common.run import gpus
 from common.run.gpus import GPUS
 from common.run.response_lengths import response_lengths
-from common.run.shapes import Shape
-from common.train.sequence_parallel import heads_split
+from common.run.shapes import Shape, heads_split
 
 GB = 1e9
 
@@ -127,23 +127,20 @@ def _dtype_bytes(precision: str) -> int:
 
 def default_sleep_level(shape: Shape, setup: Setup) -> int:
     """common/rollout/vllm_engine.py's default: 0 while vLLM's weights take at most KEEP_WEIGHTS_UP_TO of the GPU."""
-    from common.rollout.vllm_memory import default_sleep_level  # imported here: it loads transformers, which the
-    # model alone does not need
     if setup.sleep_level is not None:
         return setup.sleep_level
-    return default_sleep_level(shape.params * _dtype_bytes(setup.precision) / setup.rollout_tp, setup.memory_gb * GB)
+    return gpus.default_sleep_level(shape.params * _dtype_bytes(setup.precision) / setup.rollout_tp, setup.memory_gb * GB)
 
 
 def kv_cache_gb(shape: Shape, setup: Setup) -> float:
     """The KV cache the scripts size by default (common/rollout/vllm_engine.py's): a replica's sequences at once, each
     of --max-prompt-len + --max-response-len tokens, a tenth more, at most KV_CACHE_CAP of the GPU."""
-    from common.rollout.vllm_memory import kv_cache_size_gib  # imported here, like default_sleep_level above
     if setup.kv_cache_gb is not None:
         return setup.kv_cache_gb
     per_token = 2 * shape.layers * max(1, shape.kv_heads // setup.rollout_tp) * shape.head_dim * \
         _dtype_bytes(setup.precision)
-    gib = kv_cache_size_gib(per_token, setup.samples / setup.gpus * setup.rollout_tp,
-                            setup.max_prompt_len + setup.max_response_len, setup.memory_gb * GB / 2**30)
+    gib = gpus.kv_cache_size_gib(per_token, setup.samples / setup.gpus * setup.rollout_tp,
+                                 setup.max_prompt_len + setup.max_response_len, setup.memory_gb * GB / 2**30)
     return gib * 2**30 / GB
 
 

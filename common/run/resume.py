@@ -33,10 +33,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from common.run.distributed import raise_on_all_ranks
 from common.run.signals import crash_point, stop_requested
-from common.train.lora import lora_layers
-from common.train.model import checkpoint_dtype
 from common.train.optim import BadStepCounter, set_hyperparameters
-from sharding.checkpoint import save_hf_checkpoint
+from sharding.checkpoint import checkpoint_dtype, save_hf_checkpoint
+from sharding.lora import lora_layers
 
 # What a state holds of a model that trains: its trained parameters (all of them, or a LoRA model's adapters); loading
 # it leaves the frozen ones as --model gave them.

@@ -112,3 +112,8 @@ class Shape:
         if self.experts and self.shared_intermediate:
             pairs.append((self.hidden, 1))  # the shared expert's gate
         return self.layers * rank * sum(a + b for a, b in pairs)
+
+
+def heads_split(heads: int, kv_heads: int, size: int) -> bool:
+    """Whether attention splits over `size` ranks: the heads divide by it, the key-value heads divide it or by it."""
+    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)

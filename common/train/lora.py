@@ -23,7 +23,7 @@ import torch
 
 from common.train.model import decoder_layers
 from common.train.moe import active_share
-from sharding.lora import is_lora_layer, is_trained_weight
+from sharding.lora import is_lora_layer, is_trained_weight, lora_layers
 
 LORA_LR_SCALE = 10  # an unset --lr with LoRA: this times full fine-tuning's default (see the module docstring)
 
@@ -126,11 +126,6 @@ def add_lora(model: torch.nn.Module, args, seed: int, heads: tuple[str, ...] = (
     config.task_type = "TOKEN_CLS" if type(model).__name__.endswith("ForTokenClassification") else "CAUSAL_LM"
     config.modules_to_save = list(heads) or None
     return model
-
-
-def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """peft's adapted layers of the model (none without LoRA)."""
-    return [module for module in model.modules() if is_lora_layer(module)]
 
 
 @contextlib.contextmanager

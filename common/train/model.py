@@ -143,14 +143,6 @@ def receive_weights(model: torch.nn.Module, full: dict[str, torch.Tensor] | None
         dist.broadcast(buffer, 0)
 
 
-def checkpoint_dtype(model: str | None) -> torch.dtype:
-    """The dtype a checkpoint was published in (exports are written in it); fp32 for the built-in tiny model."""
-    dtype = None if model is None else AutoConfig.from_pretrained(model).dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype or torch.float32
-
-
 def model_config(model: str | None, tokenizer=None):
     """The transformers config of `model`, or of the built-in tiny model (sized to `tokenizer`, else the built-in one)."""
     if model is None:

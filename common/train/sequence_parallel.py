@@ -20,6 +20,8 @@ ranks, which is what makes the update equal to the one without sequence parallel
 import torch
 import torch.distributed as dist
 
+from common.run.shapes import heads_split
+
 _group, _size, _rank = None, 1, 0  # this rank's sequence-parallel group, its size, this rank's place in it
 
 
@@ -61,11 +63,6 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _AllToAll.apply(grad)
-
-
-def heads_split(heads: int, kv_heads: int, size: int) -> bool:
-    """Whether attention splits over `size` ranks: the heads divide by it, the key-value heads divide it or by it."""
-    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)
 
 
 def check_heads(config, size: int) -> None:
