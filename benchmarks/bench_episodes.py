@@ -75,7 +75,8 @@ def main():
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="hf: a CPU dry run of the script")
     parser.add_argument("--python-tool", action="store_true", help="the python tool's sandbox before and after "
                         "(see above) instead of single- against multi-turn")
-    parser.add_argument("--before", default="c93a5b4", help="--python-tool: a commit with the sandbox before issue 55")
+    parser.add_argument("--before", default="c93a5b4", help="--python-tool: a commit with the sandbox before issue "
+                        "55, or its common/rollout/tools.py (bench_sandbox.tools_before)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
 

@@ -40,9 +40,12 @@ PYTHON_CALL = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code"
 
 
 def tools_before(commit: str, directory: str) -> tuple[str, types.ModuleType]:
-    """The python tool as it was at `commit`: a tools file (its `python` only) and the module, to time directly."""
-    source = subprocess.run(["git", "show", f"{commit}:common/rollout/tools.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    """The python tool as it was at `commit`: a tools file (its `python` only) and the module, to time directly.
+    commit may also be the path of that commit's common/rollout/tools.py, for a checkout without git history
+    (`git show c93a5b4:common/rollout/tools.py > tools_c93a5b4.py` where there is one)."""
+    source = Path(commit).read_text() if Path(commit).is_file() else subprocess.run(
+        ["git", "show", f"{commit}:common/rollout/tools.py"], cwd=ROOT, check=True, capture_output=True,
+        text=True).stdout
     header = source[:source.index("# ---")]  # imports and constants
     body = source[source.index("CLONE_NEWUSER"):source.index("def check_sandbox")]
     text = (header + body).replace("def run_sandboxed(", "def _run_sandboxed(").replace(
@@ -125,7 +128,8 @@ def main():
     parser.add_argument("--turns", type=int, default=3, help="python calls per episode")
     parser.add_argument("--workers", type=int, default=2, help="environment processes")
     parser.add_argument("--rounds", type=int, default=3, help="rollout measurements of each, alternating")
-    parser.add_argument("--before", default="c93a5b4", help="a commit with the sandbox before issue 55")
+    parser.add_argument("--before", default="c93a5b4", help="a commit with the sandbox before issue 55, or its "
+                        "common/rollout/tools.py")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
