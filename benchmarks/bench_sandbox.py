@@ -9,9 +9,12 @@ no generation to hide it, this is the worst case for the ratio (a real rollout a
     python benchmarks/bench_sandbox.py --calls 60 --episodes 40 --out benchmarks/results/sandbox_cpu.json
 
 The sandbox before is read from git (`--before`, the commit before issue 55's change) and loaded as a tools file.
+With a model generating between the calls: `benchmarks/bench_episodes.py --python-tool` (this file's ForcedPython
+environment, the same before and after, in the same run).
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -26,17 +29,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.rollout.environments import EnvWorkers  # noqa: E402
-from common.rollout.tools import run_sandboxed  # noqa: E402
+from common.rollout.environments import TOOL_CALL, EnvWorkers, ToolEnv  # noqa: E402
+from common.rollout.reward_fns import load_reward_fn  # noqa: E402
+from common.rollout.tools import load_tools, run_sandboxed  # noqa: E402
 
 COMPUTE_50MS = ("import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.05:\n    pass\n"
                 "print(1)\n")
+SNIPPET = "print(sum(range(1000)))"  # what each python call of a rollout runs
+PYTHON_CALL = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": SNIPPET}}) + "</tool_call>"
 
 
 def tools_before(commit: str, directory: str) -> tuple[str, types.ModuleType]:
-    """The python tool as it was at `commit`: a tools file (its `python` only) and the module, to time directly."""
-    source = subprocess.run(["git", "show", f"{commit}:common/rollout/tools.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    """The python tool as it was at `commit`: a tools file (its `python` only) and the module, to time directly.
+    commit may also be the path of that commit's common/rollout/tools.py, for a checkout without git history
+    (`git show c93a5b4:common/rollout/tools.py > tools_c93a5b4.py` where there is one)."""
+    source = Path(commit).read_text() if Path(commit).is_file() else subprocess.run(
+        ["git", "show", f"{commit}:common/rollout/tools.py"], cwd=ROOT, check=True, capture_output=True,
+        text=True).stdout
     header = source[:source.index("# ---")]  # imports and constants
     body = source[source.index("CLONE_NEWUSER"):source.index("def check_sandbox")]
     text = (header + body).replace("def run_sandboxed(", "def _run_sandboxed(").replace(
@@ -68,8 +77,6 @@ def time_calls(runs: dict, code: str, calls: int) -> dict:
 
 def episodes_per_second(tools: str, episodes: int, turns: int, workers: int) -> float:
     env = EnvWorkers(None, tools, "none", timeout_s=120, workers=workers)
-    call = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": "print(sum(range(1000)))"}}) + \
-           "</tool_call>"
     try:
         start = time.perf_counter()
         turn = {}
@@ -80,12 +87,38 @@ def episodes_per_second(tools: str, episodes: int, turns: int, workers: int) -> 
                 assert value is not None, "a call ran past its time"
                 turn[key] = turn.get(key, -1) + 1
                 if turn[key] < turns:
-                    env.step(key, call)
+                    env.step(key, PYTHON_CALL)
                 elif turn[key] == turns:
                     env.step(key, "499500")
         return episodes / (time.perf_counter() - start)
     finally:
         env.close()
+
+
+class ForcedPython:
+    """An episode of row["turns"] turns whose every turn but the last makes exactly one python call through the
+    real tool path (`ToolEnv` -> `python` -> the sandbox), whatever the model wrote: PYTHON_CALL is appended to the
+    turn's text, and calls of the model's own are taken out. The last turn is the answer (ToolEnv scores it).
+    row["tools"]: "python" (the sandbox now) or the tools file of tools_before (the sandbox before). The tool is
+    offered to the model as `--tools python` offers it (the same schema before and after)."""
+
+    def __init__(self, row: dict):
+        self.env = ToolEnv(row, tools_of(row["tools"]), load_reward_fn("none"))
+        self.tools, self.turns, self.seen = self.env.tools, int(row["turns"]), 0
+
+    def step(self, reply: str):
+        self.seen += 1
+        reply = TOOL_CALL.sub("", reply)
+        return self.env.step(reply if self.seen >= self.turns else reply + PYTHON_CALL)
+
+
+@functools.cache
+def tools_of(spec: str) -> list:
+    return load_tools(spec)  # once per process: the before file is executed on loading
+
+
+def make_forced_python_env(row: dict) -> ForcedPython:
+    return ForcedPython(row)
 
 
 def main():
@@ -95,7 +128,8 @@ def main():
     parser.add_argument("--turns", type=int, default=3, help="python calls per episode")
     parser.add_argument("--workers", type=int, default=2, help="environment processes")
     parser.add_argument("--rounds", type=int, default=3, help="rollout measurements of each, alternating")
-    parser.add_argument("--before", default="c93a5b4", help="a commit with the sandbox before issue 55")
+    parser.add_argument("--before", default="c93a5b4", help="a commit with the sandbox before issue 55, or its "
+                        "common/rollout/tools.py")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:

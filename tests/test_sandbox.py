@@ -386,3 +386,26 @@ def test_environment_processes_start_without_credentials(tmp_path, monkeypatch):
     assert "HF_HOME" in names and "PATH" in names and "PYTHONPATH" in names
     assert not {"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "MY_DB_PASSWORD",
                 "OPENAI_API_KEY"} & set(names), names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the benchmark of issue 55's throughput target: rollouts with the model in the loop, before and after
+
+def test_the_rollout_benchmark_makes_the_forced_python_calls(tmp_path):
+    """benchmarks/bench_episodes.py --python-tool at a tiny budget on the built-in model: every episode made its turns
+    of exactly their tokens and one python call after each turn but the last (the bench asserts it per episode), so a
+    round of 2 prompts x 2 episodes x 3 turns of 3 tokens made 4 x 2 calls and generated 4 x 9 tokens, before as
+    after; and the same tool output came back before and after (the same observation tokens)."""
+    from gloo import free_port
+
+    out = tmp_path / "result.json"
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_episodes.py"), "--python-tool", "--engine", "hf",
+                    "--num-prompts", "2", "--group-size", "2", "--new-tokens", "9", "--turns", "3", "--rounds", "2",
+                    "--env-workers", "1", "--out", str(out)], cwd=tmp_path, env=env, check=True, timeout=300)
+    result = json.loads(out.read_text())
+    rounds = result["rounds"]["before"] + result["rounds"]["after"]
+    assert len(rounds) == 4
+    assert all(r["episodes"] == 4 and r["python_calls"] == 8 and r["tokens"] == 36 for r in rounds), rounds
+    assert len({r["observation_tokens"] for r in rounds}) == 1 and rounds[0]["observation_tokens"] > 0
+    assert result["before"]["episodes_per_s"] > 0 and result["after"]["episodes_per_s"] > 0
