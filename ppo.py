@@ -51,7 +51,8 @@ from common.train.loading import load_critic_model, load_frozen_reward_model, lo
 from common.train.lora import LoraArgs, adapters_off, check_lora_args, default_lr
 from common.train.model import load_tokenizer, model_config
 from common.train.moe import MoeArgs, RoutingReplayArgs, check_routing_replay, router_aux_loss, router_metrics
-from common.train.off_policy import rollout_mismatch_metrics
+from common.train.off_policy import (CorrectionArgs, importance_weights, reject_mismatched_sequences,
+                                     rollout_mismatch_metrics)
 from common.train.offload import Offloader
 from common.train.optim import clip_and_step, make_optimizer
 from common.train.stats import explained_variance, masked_whiten
@@ -69,7 +70,7 @@ from common.train.value_models import compute_values, packed_values, reward_mode
 
 
 @dataclass
-class Args(RunArgs, RolloutArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingReplayArgs):
+class Args(RunArgs, RolloutArgs, CorrectionArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingReplayArgs):
     # model (the data flags are PromptDataArgs's, common/data/prompts.py)
     model: str | None = None
     """HF hub id or local directory of a causal LM; unset: the built-in tiny model (random init)"""
@@ -124,13 +125,6 @@ class Args(RunArgs, RolloutArgs, LoraArgs, PromptDataArgs, MoeArgs, RoutingRepla
     """optimizer steps per rollout batch (the batch is split into this many mini-batches)"""
     epochs: int = 1
     """passes over each rollout batch"""
-    tis_cap: float | None = None
-    """truncated importance sampling: weight each token by min(p_trainer / p_rollout, cap) against the rollout
-    engine's numerical mismatch and its older weights with --async-rollout; unset: off, or 2 with --async-rollout"""
-    logprob_diff_every: int = 10
-    """measure rollout/logprob_diff (how far the rollout engine's log-probs of the sampled tokens are from the
-    trainer's) on the first step and every this many after (0: never); vLLM's per-token bookkeeping of its log-probs
-    costs about a quarter of a small model's rollout time. --tis-cap needs them: every step then"""
     offload: bool = False
     """keep on the GPU only what each phase uses: the critic, the reference and the reward model wait in CPU memory
     until their pass, and each optimizer's moments until its update (one copy in and out per phase; the policy's
@@ -268,6 +262,8 @@ def add_old_values_and_logprobs(samples: list[dict], policy, critic, reference, 
             s["old_values"] = values
     for s, lp in zip(samples, compute_logprobs(policy, samples, budget, args.temperature, device)):
         s["old_logprobs"] = lp
+    if args.tis_cap and args.off_policy_correction == "mis":  # responses too far off: no part in the policy loss
+        reject_mismatched_sequences(samples, args.tis_cap)
     if args.kl_coef > 0:
         with offload.on_gpu(reference), adapters_off(policy):  # with LoRA: the base model, the reference
             for s, lp in zip(samples, compute_logprobs(reference or policy, samples, budget, args.temperature, device)):
@@ -322,6 +318,7 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
     the k3 KL to the reference), one optimizer step per mini-batch, normalised like update_critic."""
     sums = dict.fromkeys(["policy_loss", "clipfrac", "approx_kl", "entropy", "policy_tokens", "grad_norm",
                           "opt_steps", "skipped"], 0.0)
+    samples = [s for s in samples if "rejected" not in s]  # --off-policy-correction mis: no part, nor in the means
     for mini in mini_batches(samples, args.epochs, args.num_mini_batches, generator):
         # The model's tokens, and every token the routers of an MoE policy route.
         num_tokens, positions = all_reduce_sum([model_tokens(mini), sum(sample_lengths(mini))], device)
@@ -334,8 +331,9 @@ def update_policy(policy, optimizer, samples: list[dict], args: Args, world: int
             logprobs, entropy, mask = pad_rows(logprobs), pad_rows(entropy), padded(micro, "mask", device)
             old, advantages = padded(micro, "old_logprobs", device), padded(micro, "advantages", device)
             token_loss, clipped = policy_loss(logprobs, old, advantages, args.clip_low, args.clip_high)
-            if args.tis_cap is not None:  # p_trainer / p_rollout on the sampled tokens, capped
-                token_loss = token_loss * (old - padded(micro, "logprobs", device)).exp().clamp(max=args.tis_cap)
+            if args.tis_cap is not None:  # from p_trainer / p_rollout on the sampled tokens (--off-policy-correction)
+                token_loss = token_loss * importance_weights(old, padded(micro, "logprobs", device),
+                                                             args.off_policy_correction, args.tis_cap)
             token_loss = token_loss - args.entropy_coef * entropy
             if args.kl_in_loss and "ref_logprobs" in micro[0]:
                 delta = padded(micro, "ref_logprobs", device) - logprobs

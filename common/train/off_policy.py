@@ -58,7 +58,7 @@ def reject_mismatched_sequences(samples: list[dict], cap: float) -> int:
     "old_logprobs" before the update. Returns how many were rejected."""
     rejected = 0
     for s in samples:
-        if s["loss_weight"] == 0 or s["logprobs"] is None:
+        if s.get("loss_weight", 1.0) == 0 or s["logprobs"] is None:
             continue
         mask = torch.as_tensor(model_token_mask(s), dtype=torch.bool)
         log_ratio = (s["old_logprobs"] - torch.as_tensor(s["logprobs"], dtype=torch.float32))[mask].mean().item()
