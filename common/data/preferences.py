@@ -16,7 +16,7 @@ import os
 import torch
 
 from common.data.dataset_reader import check_eval_dataset, check_table, first_line, read_split, train_eval_tables
-from common.data.prompts import held_out_size
+from common.data.prompts import default_prompt_eval_size, held_out_size
 from common.data.synthetic import make_synthetic_pairs
 
 # HH-RLHF's dialogues ("\n\nHuman: ...\n\nAssistant: ...") end the prompt with the last marker both sides share.
@@ -342,10 +342,7 @@ def default_pair_eval_size(args) -> int:
     """--eval-size's default for dpo.py's offline data (its resolve_defaults): held_out_size, which reads the
     training rows to count them only where the held-out rows would be cut from them (a file, or a dataset without
     --eval-split, and no --eval-dataset); load_preference_rows reads them again, from the datasets library's cache."""
-    if args.dataset is None or args.eval_dataset is not None:
-        return held_out_size()
-    train, held_out = train_eval_tables(args.dataset, args.dataset_config, args.eval_split)
-    return held_out_size(None if held_out is not None else len(rows_of_table(args, *train)[0]))
+    return default_prompt_eval_size(args, lambda train: len(rows_of_table(args, *train)[0]))
 
 
 def load_preference_rows(args, tokenizer, stop_ids) -> tuple[list[dict], list[dict], dict]:

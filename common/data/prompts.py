@@ -117,14 +117,15 @@ def held_out_size(num_train_rows: int | None = None) -> int:
     return DEFAULT_EVAL_SIZE if num_train_rows is None else max(1, min(DEFAULT_EVAL_SIZE, num_train_rows // 10))
 
 
-def default_prompt_eval_size(args) -> int:
+def default_prompt_eval_size(args, count_rows=lambda train: len(train[0])) -> int:
     """--eval-size's default for a script's prompts (its resolve_defaults): held_out_size, which reads the training
     split to count its rows only where the held-out prompts would be cut from it (a file, or a dataset without
-    --eval-split, and no --eval-dataset); load_prompts reads it again, from the datasets library's cache."""
+    --eval-split, and no --eval-dataset); load_prompts reads it again, from the datasets library's cache.
+    count_rows(train table): the rows it holds (dpo.py's pairs count those it keeps)."""
     if args.dataset is None or args.eval_dataset is not None:
         return held_out_size()
     train, held_out = train_eval_tables(args.dataset, args.dataset_config, args.eval_split)
-    return held_out_size(None if held_out is not None else len(train[0]))
+    return held_out_size(None if held_out is not None else count_rows(train))
 
 
 def _hold_out(rows: list[dict], eval_size: int | None, seed: int, source: str) -> tuple[list[dict], list[dict]]:
