@@ -27,9 +27,6 @@ ALLOWED_UPWARD = {
     ("common.run.logger", "common.train.lora"),
     ("common.run.resume", "common.train.optim"),
     ("common.run.run_plan", "common.train.model"),
-    # The built-in tiny model's config and tokenizer live with the built-in task (common/data/synthetic.py).
-    ("common.train.model", "common.data.synthetic"),
-    ("common.train.value_models", "common.data.synthetic"),
 }
 
 

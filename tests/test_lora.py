@@ -198,7 +198,7 @@ def merged_and_exported(rank: int, port: int, out: str):
     log-probs (values) of each, and of the live models, on the same samples."""
     from peft import PeftModel
 
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     from common.train.value_models import compute_values
     from sharding.checkpoint import save_hf_checkpoint
     from sharding.vllm_sync import trainer_weights, weight_shapes

@@ -271,7 +271,7 @@ def test_replayed_update_on_two_ranks_matches_one_rank(tmp_path):
 # resumed: the same rows and weights as an uninterrupted run.
 
 def save_tiny_moe(path) -> str:
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     tokenizer = build_tiny_tokenizer()
     model = tiny_moe(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id)
