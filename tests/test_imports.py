@@ -24,7 +24,6 @@ ALLOWED_UPWARD = {
     # their callers passing what they read.
     ("common.run.health", "common.train.model"),
     ("common.run.health", "common.train.sequence_parallel"),
-    ("common.run.logger", "common.train.lora"),
     ("common.run.resume", "common.train.optim"),
     ("common.run.run_plan", "common.train.model"),
 }

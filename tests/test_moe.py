@@ -307,7 +307,7 @@ def test_grpo_on_a_tiny_moe_resumes_exactly(tmp_path):
 def test_mfu_counts_the_active_experts_only():
     """flop_weighted_params (perf/mfu's parameter count): an expert weight counts top_k / experts of its size, every
     other weight in full; a LoRA model's frozen base at 4 of 6. By hand on the tiny model's own shapes."""
-    from common.train.lora import flop_weighted_params
+    from common.run.perf import flop_weighted_params
 
     model = tiny_moe()
     config = model.config

@@ -24,11 +24,10 @@ from tqdm import tqdm
 
 from common.run.errors import user_error
 from common.run.health import health_report
-from common.run.perf import StepPerf
+from common.run.perf import StepPerf, flop_weighted_params
 from common.run.run_plan import out_of_memory_report
 from common.run.signals import crash_point, signal_point
 from common.run.watchdog import Watchdog
-from common.train.lora import flop_weighted_params
 
 
 @user_error
