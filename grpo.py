@@ -33,11 +33,11 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
+from common.run.checkpoints import Checkpoints, TrainedModel
 from common.run.cli import check_ranges, chosen_values, run_main
 from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
-from common.run.resume import Checkpoints, TrainedModel
 from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
