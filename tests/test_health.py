@@ -58,7 +58,8 @@ def test_the_disk_warning_starts_below_two_states(tmp_path, monkeypatch):
 def test_layout_note_from_the_flags():
     """--shard-size and --sequence-parallel as the health line describes them, by hand."""
     assert layout_note(4, 1, None, 1) == layout_note(4, 1, 4, 1) == "FSDP over 4 ranks on 1 node"
-    assert layout_note(4, 2, 2, 1) == "hybrid FSDP: sharded within each of 2 groups of 2 ranks, replicated across them " \
-                                      "on 2 nodes"
-    assert layout_note(4, 1, 1, 2) == "FSDP replicated on each of 4 ranks (--shard-size 1: no sharding) on 1 node, " \
-                                      "sequences split over groups of 2"
+    hybrid = "hybrid FSDP: sharded within each of 2 groups of 2 ranks, replicated across them on 2 nodes"
+    assert layout_note(4, 2, 2, 1) == hybrid
+    replicated = "FSDP replicated on each of 4 ranks (--shard-size 1: no sharding) on 1 node, sequences split over " \
+                 "groups of 2"
+    assert layout_note(4, 1, 1, 2) == replicated
