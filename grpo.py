@@ -288,7 +288,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
     args.eval_size = default_prompt_eval_size(args) if args.eval_size is None else args.eval_size  # may count rows
-    forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
+    forecast = plan_run(args, world, device, model_config(args.model))  # may turn --activation-checkpointing on
     return [chosen_values(unset, asdict(args)), *forecast]
 
 

@@ -22,7 +22,6 @@ ALLOWED_UPWARD = {
     # experts' active share), resume.py (the bad-step counter saved with a state, the optimizer's hyperparameters set
     # after loading one), the start-up plan (the model's config). Removed by moving these modules above train/, or by
     # their callers passing what they read.
-    ("common.run.run_plan", "common.train.model"),
 }
 
 
