@@ -38,11 +38,11 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
+from common.run.checkpoints import Checkpoints, TrainedModel
 from common.run.cli import check_ranges, chosen_values, run_main
 from common.run.distributed import finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
-from common.run.resume import Checkpoints, TrainedModel
 from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
@@ -50,7 +50,7 @@ from common.train.batching import empty_backward, plan_equal_micro_batches
 from common.train.logprobs import model_token_mask
 from common.train.loading import load_frozen_reward_model, load_policy
 from common.train.lora import LoraArgs, check_lora_args, default_lr
-from common.train.model import load_tokenizer
+from common.train.model import load_tokenizer, model_config
 from common.train.moe import MoeArgs, router_aux_loss, router_metrics
 from common.train.optim import clip_and_step, make_optimizer
 
@@ -148,7 +148,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
     args.ref_cache = "none" if args.online else args.ref_cache  # online, the pairs are new every step
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
     args.eval_size = default_eval_size(args) if args.eval_size is None else args.eval_size  # may count the rows
-    forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
+    forecast = plan_run(args, world, device, model_config(args.model))  # may turn --activation-checkpointing on
     return [chosen_values(unset, asdict(args)), *forecast]
 
 

@@ -33,11 +33,11 @@ from common.rollout.reward_check import check_reward_fits
 from common.rollout.rollouts import make_rollouts
 from common.rollout.serve import serve_rollouts
 from common.rollout.split import init_placement
+from common.run.checkpoints import Checkpoints, TrainedModel
 from common.run.cli import check_ranges, chosen_values, run_main
 from common.run.distributed import all_reduce_sum, finish_distributed, quiet_libraries, sum_over_ranks
 from common.run.logger import start_logging
 from common.run.packages import check_packages
-from common.run.resume import Checkpoints, TrainedModel
 from common.run.run_plan import plan_run
 from common.run.rundir import RunArgs, fixed_on_resume, open_run_dir
 from common.run.signals import install_stop_handlers, stop_agreed
@@ -288,7 +288,7 @@ def resolve_defaults(args: Args, world: int = 1, device: torch.device = torch.de
     fill_rollout_defaults(args)  # the engine, reward processes, TIS with async rollouts, --precision auto
     check_args(args, world)  # one line for a flag that cannot work, before the planner reads the model
     args.eval_size = default_prompt_eval_size(args) if args.eval_size is None else args.eval_size  # may count rows
-    forecast = plan_run(args, world, device)  # memory and time; sets an unset --activation-checkpointing
+    forecast = plan_run(args, world, device, model_config(args.model))  # may turn --activation-checkpointing on
     return [chosen_values(unset, asdict(args)), *forecast]
 
 

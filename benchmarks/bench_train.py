@@ -47,10 +47,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds common/
 from common.run.distributed import init_distributed  # noqa: E402
-from common.run.perf import mfu, peak_flops  # noqa: E402
+from common.run.perf import flop_weighted_params, mfu, peak_flops  # noqa: E402
 from common.train.batching import batching_metrics, pack_sequences, plan_micro_batches  # noqa: E402
 from common.train.logprobs import packed_token_logprobs, use_packed_attention  # noqa: E402
-from common.train.lora import add_lora, flop_weighted_params  # noqa: E402
+from common.train.lora import add_lora  # noqa: E402
 from common.train.model import compile_model, shard_model, token_logprobs  # noqa: E402
 from common.train.sequence_parallel import init_sequence_parallel, sequence_parallel_size  # noqa: E402
 from scripts.random_model import LLAMA_SHAPES, SHAPES as QWEN_SHAPES, qwen2_config  # noqa: E402

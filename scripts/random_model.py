@@ -73,7 +73,7 @@ def model_config(shape: str):
 
 def full_vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from common.data.synthetic import SPECIAL_TOKENS, WORDS
+    from common.train.tiny_model import SPECIAL_TOKENS, WORDS
     words = SPECIAL_TOKENS + WORDS
     words += [f"w{i}" for i in range(len(words), vocab_size)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

@@ -214,7 +214,7 @@ def test_online_pairs_take_best_against_worst_and_skip_ties():
 
 
 def pieces_worker(rank: int, world: int, port: int, out_dir: str):
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     from common.train.model import load_model, shard_model, token_logprobs
     init_gloo(rank, world, port)
     cpu = torch.device("cpu")

@@ -12,9 +12,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AddedToken, PreTrainedTokenizerFast
 
 import launcher
-from common.data.synthetic import NUM_VALUES, LookupEnv, build_tiny_tokenizer
+from common.data.synthetic import LookupEnv
 from common.rollout.episodes import ChatFormat, MultiTurn, with_tools_described
 from common.rollout.tools import calculator, tool_schema
+from common.train.tiny_model import NUM_VALUES, build_tiny_tokenizer
 from gloo import finish_gloo, free_port, init_gloo
 
 # The tool parts of Qwen2.5-Instruct's chat template (its system message for tools, assistant turns, tool messages

@@ -5,7 +5,7 @@ import os
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 
-from common.run.health import health_report, state_bytes
+from common.run.health import health_report, layout_note, state_bytes
 
 
 def health_worker(rank: int, port: int, out: str):
@@ -53,3 +53,13 @@ def test_the_disk_warning_starts_below_two_states(tmp_path, monkeypatch):
         dist.destroy_process_group()
     assert len(tight) == 2 and "room for fewer than two training states" in tight[1], tight
     assert len(roomy) == 1, roomy
+
+
+def test_layout_note_from_the_flags():
+    """--shard-size and --sequence-parallel as the health line describes them, by hand."""
+    assert layout_note(4, 1, None, 1) == layout_note(4, 1, 4, 1) == "FSDP over 4 ranks on 1 node"
+    hybrid = "hybrid FSDP: sharded within each of 2 groups of 2 ranks, replicated across them on 2 nodes"
+    assert layout_note(4, 2, 2, 1) == hybrid
+    replicated = "FSDP replicated on each of 4 ranks (--shard-size 1: no sharding) on 1 node, sequences split over " \
+                 "groups of 2"
+    assert layout_note(4, 1, 1, 2) == replicated

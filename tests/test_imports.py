@@ -14,25 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "sharding")
 LAYERS = ["common.run", "common.train", "common.data", "common.rollout"]
 
-# Edges against the layers today, each with what removes it. Remove an entry with its import
-# (test_allowed_upward_edges_still_exist fails on one whose import is gone).
-ALLOWED_UPWARD = {
-    # The run's reports and checkpoints read the trained models: the health line (the FSDP mesh and the
-    # sequence-parallel groups, which train/ sets up and keeps), the logger's MFU (flop_weighted_params: a mixture of
-    # experts' active share), resume.py (the bad-step counter saved with a state, the optimizer's hyperparameters set
-    # after loading one), the start-up plan (the model's config). Removed by moving these modules above train/, or by
-    # their callers passing what they read.
-    ("common.run.health", "common.train.model"),
-    ("common.run.health", "common.train.sequence_parallel"),
-    ("common.run.logger", "common.train.lora"),
-    ("common.run.resume", "common.train.optim"),
-    ("common.run.run_plan", "common.train.model"),
-    # The built-in tiny model's config and tokenizer live with the built-in task (common/data/synthetic.py).
-    ("common.train.model", "common.data.synthetic"),
-    ("common.train.value_models", "common.data.synthetic"),
-}
-
-
 def project_modules() -> dict[str, Path]:
     modules = {}
     for package in PACKAGES:
@@ -158,13 +139,7 @@ def test_layers():
         for other in sorted(imports):
             if module.startswith("sharding") and other.startswith("common"):
                 wrong.append(f"{module} -> {other} (sharding/ imports nothing of common/)")
-            elif (layer(module) is not None and layer(other) is not None and layer(other) > layer(module)
-                  and (module, other) not in ALLOWED_UPWARD):
+            elif layer(module) is not None and layer(other) is not None and layer(other) > layer(module):
                 wrong.append(f"{module} -> {other} ({LAYERS[layer(module)]} may not import {LAYERS[layer(other)]})")
     assert not wrong, "imports against the layers " + " <- ".join(LAYERS) + ":\n" + "\n".join(wrong)
 
-
-def test_allowed_upward_edges_still_exist():
-    """An entry of ALLOWED_UPWARD whose import is gone goes too."""
-    graph = import_graph()
-    assert [edge for edge in ALLOWED_UPWARD if edge[1] not in graph.get(edge[0], ())] == []

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 import grpo
 from common.train.logprobs import compute_logprobs
-from common.train.lora import adapters_off, add_lora, check_lora_args, flop_weighted_params, linear_layer_names
+from common.train.lora import adapters_off, add_lora, check_lora_args, linear_layer_names
 from common.train.model import shard_model
 from test_grpo import fixed_batch
 from test_grpo_e2e import HASH_REWARD, assert_one_line_error, metric_rows, torchrun
@@ -79,13 +79,6 @@ def test_adapters_cover_every_linear_layer_and_freeze_the_base():
                        "model.layers.0.self_attn.v_proj.lora_A.default.weight",
                        "model.layers.0.self_attn.v_proj.lora_B.default.weight", "score.bias", "score.weight"]
     assert critic.peft_config["default"].task_type == "TOKEN_CLS"
-
-
-def test_flop_weighted_parameters_by_hand():
-    """A frozen parameter costs 4 FLOPs per token (forward, input gradient) of a trained one's 6."""
-    full = torch.nn.Linear(10, 10, bias=False)  # 100 trained
-    frozen = torch.nn.Linear(6, 10, bias=False).requires_grad_(False)  # 60 frozen
-    assert flop_weighted_params([full, frozen]) == (100, 100 + 60 * 4 / 6)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -198,7 +191,7 @@ def merged_and_exported(rank: int, port: int, out: str):
     log-probs (values) of each, and of the live models, on the same samples."""
     from peft import PeftModel
 
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     from common.train.value_models import compute_values
     from sharding.checkpoint import save_hf_checkpoint
     from sharding.vllm_sync import trainer_weights, weight_shapes

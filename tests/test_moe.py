@@ -271,7 +271,7 @@ def test_replayed_update_on_two_ranks_matches_one_rank(tmp_path):
 # resumed: the same rows and weights as an uninterrupted run.
 
 def save_tiny_moe(path) -> str:
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     tokenizer = build_tiny_tokenizer()
     model = tiny_moe(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id)
@@ -307,7 +307,7 @@ def test_grpo_on_a_tiny_moe_resumes_exactly(tmp_path):
 def test_mfu_counts_the_active_experts_only():
     """flop_weighted_params (perf/mfu's parameter count): an expert weight counts top_k / experts of its size, every
     other weight in full; a LoRA model's frozen base at 4 of 6. By hand on the tiny model's own shapes."""
-    from common.train.lora import flop_weighted_params
+    from common.run.perf import flop_weighted_params
 
     model = tiny_moe()
     config = model.config

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.run.perf import TrainingMemoryPeak, mfu
+from common.run.perf import TrainingMemoryPeak, flop_weighted_params, mfu
 
 
 def test_training_memory_peak_by_hand(monkeypatch):
@@ -26,3 +26,10 @@ def test_mfu_by_hand():
     # The same tokens over 4 GPUs in the same time: a quarter of the utilisation (the peak is per GPU).
     assert mfu(10**9, 1e4, 0.5, 1e15, num_gpus=4) == pytest.approx(0.03)
     assert mfu(10**9, 1e4, 0.5, None) is None
+
+
+def test_flop_weighted_parameters_by_hand():
+    """A frozen parameter costs 4 FLOPs per token (forward, input gradient) of a trained one's 6."""
+    full = torch.nn.Linear(10, 10, bias=False)  # 100 trained
+    frozen = torch.nn.Linear(6, 10, bias=False).requires_grad_(False)  # 60 frozen
+    assert flop_weighted_params([full, frozen]) == (100, 100 + 60 * 4 / 6)

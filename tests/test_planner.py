@@ -265,6 +265,7 @@ def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monke
 
     from common.rollout.args import fill_rollout_defaults
     from common.run import run_plan as planner
+    from common.train.model import model_config
     monkeypatch.setattr(planner, "_plan", None)  # what plan_run sets goes with the test
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 4e9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
@@ -272,7 +273,7 @@ def test_start_up_plan_turns_checkpointing_on_where_the_step_would_not_fit(monke
         monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
         args = grpo.Args(max_response_len=64, activation_checkpointing=False, rollout_engine="vllm")
         fill_rollout_defaults(args)
-        lines = planner.plan_run(args, 1, torch.device("cuda", 0))
+        lines = planner.plan_run(args, 1, torch.device("cuda", 0), model_config(None))
         assert args.activation_checkpointing is expected
         assert any(line.startswith("planner: --activation-checkpointing on") for line in lines) is expected, lines
         assert any(line.startswith("planner: peak:") for line in lines), lines

@@ -221,7 +221,7 @@ def test_global_statistics_two_ranks_match_one(tmp_path):
 
 def tiny_models(seed: int = 0):
     """The built-in tiny policy and its critic (the same body, a value head), unsharded."""
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     from common.train.model import load_model
     from common.train.value_models import load_critic
     tokenizer = build_tiny_tokenizer()

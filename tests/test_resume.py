@@ -17,10 +17,11 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common.data.prompts import PromptSampler
+from common.run.checkpoints import BadStepCounter, set_hyperparameters
 from common.run.resume import (checkpoint_damage, latest_checkpoint, load_training_state, newest_intact_checkpoint,
                            prune_checkpoints, read_trainer_state, resolve_resume, save_training_state)
 from common.train.model import shard_model
-from common.train.optim import BadStepCounter, is_bad_number, set_hyperparameters
+from common.train.optim import is_bad_number
 import launcher
 from gloo import finish_gloo, free_port, init_gloo
 

@@ -175,7 +175,7 @@ def train_and_export(rank: int, port: int, out: str):
     import grpo
     from torch.distributed.fsdp import FSDPModule
 
-    from common.data.synthetic import build_tiny_tokenizer
+    from common.train.tiny_model import build_tiny_tokenizer
     from common.train.logprobs import compute_logprobs
     from common.train.model import decoder_layers, shard_model
     from sharding.checkpoint import save_hf_checkpoint

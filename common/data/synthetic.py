@@ -1,9 +1,9 @@
 """The built-in task: name the largest of three numbers, small enough that GRPO learns it from random weights on a CPU.
 
-A prompt reads "max 7 13 2 =" and its answer is "13". The tokenizer is word-level with one token per number
-0..NUM_VALUES-1, so every answer is a single token and a random policy already hits it about once in NUM_VALUES
-tries (always answering the same number scores about 0.1): the reward is dense enough for GRPO to start from a
-randomly initialised model, with no pretraining.
+A prompt reads "max 7 13 2 =" and its answer is "13". The tokenizer (the built-in tiny model's,
+common/train/tiny_model.py) is word-level with one token per number 0..NUM_VALUES-1, so every answer is a single token
+and a random policy already hits it about once in NUM_VALUES tries (always answering the same number scores about
+0.1): the reward is dense enough for GRPO to start from a randomly initialised model, with no pretraining.
 Reward rule: 1.0 when the first number in the completion equals the answer, else 0.0. Whatever follows that number
 is ignored, so the model need not learn to stop before it can be rewarded.
 The test split holds number triples that never appear in training in any order, so held-out accuracy measures a
@@ -18,43 +18,10 @@ import itertools
 import random
 import re
 
-NUM_VALUES = 30  # numbers 0..29, each one token
+from common.train.tiny_model import NUM_VALUES  # numbers 0..NUM_VALUES-1, each one token of the tiny model's
+
 NUMBERS_PER_PROMPT = 3
 TEST_FRACTION = 0.1  # of the distinct number sets; all orderings of a set land in the same split
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
-WORDS = ["max", "="] + [str(n) for n in range(NUM_VALUES)] + ["lookup", "?"]  # the last two: --env lookup
-
-
-def build_tiny_tokenizer():
-    """A PreTrainedTokenizerFast with one token per word (imported here: the reward processes need none of it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: token_id for token_id, word in enumerate(SPECIAL_TOKENS + WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # without a decoder, decode joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
-
-
-def tiny_model_config(tokenizer):
-    """A two-layer Llama of about 136k parameters. Llama rather than Qwen2: AutoTokenizer on a saved Qwen2 model
-    always builds Qwen2's byte-level tokenizer, whatever tokenizer was saved with it, while for Llama it loads the
-    saved one, so an exported tiny model loads back as it trained. head_dim 32 suits every vLLM attention backend."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.eos_token_id,  # no separate BOS token: none is prepended
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
 
 
 def make_synthetic_rows(split: str, seed: int = 0) -> list[dict]:

@@ -14,9 +14,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.train.model import sharding_mesh
-from common.train.sequence_parallel import sequence_parallel_size
-
 # Floors well below what each kind of link gives (bus bandwidth, GB/s): NVLink 150-450 on one node, PCIe 10-25,
 # InfiniBand or RoCE between nodes 10-50. A figure under its floor means something is wrong with the link.
 FLOOR_GB_S = {"one node": 5.0, "between nodes": 2.0}
@@ -47,23 +44,25 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.1f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
 
 
-def layout_note(world: int, nodes: int) -> str:
-    """How the training ranks split the work: FSDP over all of them or hybrid (sharded within groups, replicated
-    across), and sequence-parallel groups."""
-    mesh = sharding_mesh()
-    groups, size = (1, world) if mesh is None else mesh.shape
+def layout_note(world: int, nodes: int, shard_size: int | None, sequence_parallel: int) -> str:
+    """How the training ranks split the work, as --shard-size and --sequence-parallel set it up: FSDP over all of them
+    or hybrid (sharded within groups, replicated across), and sequence-parallel groups."""
+    size = shard_size or world
+    groups = world // size
     note = f"FSDP over {world} rank{'s' if world > 1 else ''}" if groups == 1 else \
         f"FSDP replicated on each of {world} ranks (--shard-size 1: no sharding)" if size == 1 else \
         f"hybrid FSDP: sharded within each of {groups} groups of {size} ranks, replicated across them"
     note += f" on {nodes} node{'s' if nodes > 1 else ''}"
-    if sequence_parallel_size() > 1:
-        note += f", sequences split over groups of {sequence_parallel_size()}"
+    if sequence_parallel > 1:
+        note += f", sequences split over groups of {sequence_parallel}"
     return note
 
 
-def health_report(device: torch.device, output_dir: str, num_params: int) -> list[str]:
+def health_report(device: torch.device, output_dir: str, num_params: int, shard_size: int | None = None,
+                  sequence_parallel: int = 1) -> list[str]:
     """Collective over the default group: the health line, then any warnings. num_params: the parameters a training
-    state holds (of every model trained)."""
+    state holds (of every model trained); shard_size, sequence_parallel: the run's --shard-size and
+    --sequence-parallel."""
     world = dist.get_world_size()
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
@@ -79,7 +78,7 @@ def health_report(device: torch.device, output_dir: str, num_params: int) -> lis
         parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
     else:
         parts.append(f"{world} CPU process{'es' if world > 1 else ''} (gloo)")
-    parts.append(layout_note(world, nodes))
+    parts.append(layout_note(world, nodes, shard_size, sequence_parallel))
     warnings = []
     if world > 1:
         link = "one node" if nodes == 1 else "between nodes"

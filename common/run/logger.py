@@ -24,11 +24,10 @@ from tqdm import tqdm
 
 from common.run.errors import user_error
 from common.run.health import health_report
-from common.run.perf import StepPerf
+from common.run.perf import StepPerf, flop_weighted_params
 from common.run.run_plan import out_of_memory_report
 from common.run.signals import crash_point, signal_point
 from common.run.watchdog import Watchdog
-from common.train.lora import flop_weighted_params
 
 
 @user_error
@@ -184,6 +183,7 @@ def start_logging(args, run_dir, rank: int, world: int, device, notes: list[str]
     trained, flop_params = flop_weighted_params(models)
     logger = Logger(rank, args.steps, args.track, args.wandb_project, run_dir.name, vars(args), run_dir.path,
                     run_id=run_dir.saved.get("wandb_run_id"), start_step=run_dir.start_step)
-    for note in [*run_dir.notes, *notes, *health_report(device, run_dir.path, trained)]:
+    health = health_report(device, run_dir.path, trained, args.shard_size, args.sequence_parallel)
+    for note in [*run_dir.notes, *notes, *health]:
         logger.print(note)
     return logger, StageTimer(device, args.hang_timeout, run_dir.path), StepPerf(flop_params, device, world)

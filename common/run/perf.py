@@ -1,4 +1,6 @@
-"""Performance metrics: model FLOPs utilisation and GPU memory, as logged every step on GPUs."""
+"""Performance metrics: model FLOPs utilisation and GPU memory, as logged every step on GPUs. The MFU counts the
+parameters a token computes with (flop_weighted_params): a frozen one at 4 of 6 FLOPs, a mixture of experts' expert
+weights at the share of them a token runs through."""
 
 import time
 
@@ -6,6 +8,7 @@ import torch
 
 from common.run.distributed import max_over_ranks
 from common.run.gpus import GPUS
+from sharding.vllm_moe import expert_count, is_moe
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -33,6 +36,29 @@ class TrainingMemoryPeak:
 
     def peak(self) -> int:
         return self.start + torch.cuda.max_memory_reserved(self.device) - self.reserved
+
+
+def active_share(config) -> float:
+    """The share of a layer's experts each token runs through (top k of them): what an expert weight counts for in
+    FLOPs per token, and so in MFU. 1 for a model without experts."""
+    if config is None or not is_moe(config):
+        return 1.0
+    return config.get_text_config().num_experts_per_tok / expert_count(config)
+
+
+def flop_weighted_params(models: list[torch.nn.Module]) -> tuple[int, float]:
+    """(parameters a training state holds, parameters as MFU counts them) of the models that train: a frozen
+    parameter takes no weight gradient, so 4 of a trained one's 6 FLOPs per token (forward, gradient of the input);
+    a mixture-of-experts layer's expert weights count for the share of them a token runs through (its active
+    parameters: top k of the experts)."""
+    trained, counted = 0, 0.0
+    for model in models:
+        share = active_share(getattr(model, "config", None))
+        for name, param in model.named_parameters():
+            n = param.numel() * (share if ".experts." in name else 1.0)
+            trained += param.numel() if param.requires_grad else 0
+            counted += n if param.requires_grad else n * 4 / 6
+    return trained, counted
 
 
 def mfu(num_params: int, tokens: float, seconds: float, peak: float | None, num_gpus: int = 1) -> float | None:

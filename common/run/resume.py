@@ -6,7 +6,8 @@ step, data position, every rank's RNG, and small extras such as the W&B run id. 
 it is written into `state_<step>.tmp/`, a `COMPLETE` marker goes in last, then the directory is renamed; a run
 killed mid-save leaves no directory that `latest_checkpoint` would pick. The marker lists every file with its
 size, so a state damaged later (a deleted or truncated shard) is recognised and the previous one used instead.
-HF-format export is separate (sharding/checkpoint.py).
+HF-format export is separate (sharding/checkpoint.py); when a trainer saves, exports and resumes is
+common/run/checkpoints.py's `Checkpoints`.
 
     <output_dir>/state_000010/
         .metadata, __<rank>_0.distcp   model + optimizer shards (DCP)
@@ -16,13 +17,11 @@ HF-format export is separate (sharding/checkpoint.py).
         COMPLETE                       {"files": {name: size in bytes}}
 """
 
-import contextlib
 import json
 import os
 import random
 import re
 import shutil
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,10 +31,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from common.run.distributed import raise_on_all_ranks
-from common.run.signals import crash_point, stop_requested
-from common.train.optim import BadStepCounter, set_hyperparameters
-from sharding.checkpoint import checkpoint_dtype, save_hf_checkpoint
-from sharding.lora import lora_layers
 
 # What a state holds of a model that trains: its trained parameters (all of them, or a LoRA model's adapters); loading
 # it leaves the frozen ones as --model gave them.
@@ -306,96 +301,3 @@ def resolve_resume(spec: str, output_dir: str) -> str | None:
     if damage := checkpoint_damage(spec):
         raise ValueError(f"--resume {spec}: the checkpoint is damaged ({damage})")
     return spec
-
-
-class TrainedModel(NamedTuple):
-    """A model a training state holds, with what trains it (a frozen one that moves, such as DPO's iteratively
-    updated reference, has no optimizer, scheduler or learning rate)."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: object = None
-    lr: float | None = None
-
-
-class Checkpoints:
-    """A trainer's saves and its resume, the same in every script. The state holds `policy` and the models of `more`
-    by name (PPO's "critic", DPO's moving "reference"); the policy is exported in HF format to hf_step_<step>/, and
-    the models of `export_more` to the subdirectories they are named by. `on_gpu()`: a context that brings offloaded
-    models in while they are saved or loaded. A script calls `resume()` once everything is built (last, so that the
-    restored random streams are the ones the loop continues with), `export()` before a step's row is logged and
-    `save()` after it: a training state never exists without its row."""
-
-    def __init__(self, args, run_dir, logger, timer, tokenizer, data, policy: TrainedModel,
-                 more: dict[str, TrainedModel] | None = None, export_more: dict[str, torch.nn.Module] | None = None,
-                 probes: list[str] | None = None, on_gpu=contextlib.nullcontext):
-        self.args, self.run_dir, self.logger, self.timer, self.tokenizer = args, run_dir, logger, timer, tokenizer
-        self.data, self.models = data, [policy, *(more or {}).values()]
-        self.exports = {"": policy.model, **(export_more or {})}  # subdirectory of hf_step_<step>/ -> model
-        self.bad_steps = BadStepCounter(args.max_bad_steps)  # saved with the state: a resumed run counts on
-        self.probes, self.on_gpu = probes, on_gpu
-        self.policy, self.optimizer, self.scheduler = policy.model, policy.optimizer, policy.scheduler
-        self.more = {name: trained[:3] for name, trained in more.items()} if more else None
-
-    def resume(self) -> dict:
-        """Restores the newest state (if the run directory chose one) and returns its extras ({} for a fresh run).
-        The learning rates and weight decay are this command's, not the saved ones."""
-        path = self.run_dir.resume_from
-        if path is None:
-            return {}
-        with self.on_gpu():
-            info = load_training_state(path, self.policy, self.optimizer, self.scheduler, self.data, self.more)
-        for model, optimizer, scheduler, lr in self.models:
-            if optimizer is not None:
-                set_hyperparameters(optimizer, scheduler, lr, self.args.weight_decay)
-        self.bad_steps.in_a_row = info["extra"]["bad_steps_in_a_row"]
-        self.logger.print(f"resumed from {path} at step {info['step']}" + ("" if info["exact_rng"] else
-                          f" (saved on {info['saved_world_size']} ranks: model, optimizer and data position are "
-                          f"exact, random streams re-seeded)"))
-        if getattr(getattr(self.data, "in_flight", None), "dropped", 0):
-            self.logger.print(f"dropped the {self.data.in_flight.dropped} responses the saved run had in flight "
-                              f"(--partial-rollouts): they are continued only on the same number of ranks")
-        return info["extra"]
-
-    def export(self, step: int) -> None:
-        """HF-format models in <output_dir>/hf_step_<step>/ at --save-every and at the last step. A LoRA model goes
-        as PEFT's adapter directory, and with --export-merged also merged into a full model in its merged/."""
-        probes = {"probes": self.probes} if self.probes else {}  # texts the saved tokenizer must encode the same
-        if self.args.save_every and step % self.args.save_every == 0 or step == self.args.steps:
-            with self.timer("save"), self.on_gpu():
-                dtype = checkpoint_dtype(self.args.model)
-                for subdir, model in self.exports.items():
-                    path, lora = os.path.join(self.run_dir.path, f"hf_step_{step}", subdir), bool(lora_layers(model))
-                    save_hf_checkpoint(model, self.tokenizer, path, dtype, adapter=lora, **probes)
-                    if lora and self.args.export_merged:
-                        save_hf_checkpoint(model, self.tokenizer, os.path.join(path, "merged"), dtype, **probes)
-
-    def save(self, step: int, stop: bool, extra: dict | None = None) -> None:
-        """A resumable training state at --save-state-every, at the last step and on a stop (then says how to go on);
-        its time is logged with the next step. `extra`: what the script wants back from `resume()`."""
-        crash_point("after_row", step)
-        args = self.args
-        if stop or args.save_state_every and step % args.save_state_every == 0 or step == args.steps:
-            with self.timer("save_state"), self.on_gpu():
-                save_training_state(self.run_dir.path, step, self.policy, self.optimizer, self.scheduler, self.data,
-                                    {"wandb_run_id": self.logger.run_id, "bad_steps_in_a_row": self.bad_steps.in_a_row,
-                                     "args": vars(args), **(extra or {})}, self.more)
-                prune_checkpoints(self.run_dir.path, args.keep_checkpoints)
-        crash_point("after_state", step)
-        if stop:
-            self.logger.print(f"{stop_requested() or 'a signal on another rank'}: saved the training state at step "
-                              f"{step}; run the same command again to continue")
-
-    def say_how_it_went(self, first_eval: dict | None, last_eval: dict | None, stop: bool, names: dict[str, str],
-                        saved_note: str = "") -> None:
-        """At the end: a run resumed at or past --steps says it had nothing to do; one that ran to --steps, each
-        held-out accuracy before and after training (`names`: its metric -> its name) and where the model is."""
-        start, steps = self.run_dir.start_step, self.args.steps
-        if start >= steps:
-            self.logger.print(f"{self.run_dir.resume_from} is already at step {start} of {steps}: nothing to do "
-                              f"(--steps trains further)")
-        if stop or start > steps or not first_eval:  # past --steps: said above, and its export is elsewhere
-            return
-        self.logger.print("; ".join(f"held-out {name} accuracy: {first_eval[key]:.3f} before training -> "
-                                    f"{last_eval[key]:.3f} after {steps} steps" for key, name in names.items()
-                                    if key in first_eval)
-                          + f"; model saved to {os.path.join(self.run_dir.path, f'hf_step_{steps}')}{saved_note}")

@@ -11,7 +11,6 @@ from common.run import errors
 from common.run.cli import given_on_command_line
 from common.run.gpus import GPUS
 from common.run.planner import GB, HEADROOM, Setup, Shape, describe, fixes, memory, within_headroom
-from common.train.model import model_config
 
 _plan = None  # (shape, setup) of this run, once plan_run has made it
 
@@ -44,15 +43,16 @@ def setup_of_run(args, world: int, gpu_name: str, gpu_memory_gb: float) -> Setup
                  or getattr(args, "num_mini_batches", 1) > 1)
 
 
-def plan_run(args, world: int, device) -> list[str]:
+def plan_run(args, world: int, device, config) -> list[str]:
     """At start-up, on GPUs: the planner's forecast for this run (lines to print) and, where --activation-checkpointing
     was not given (neither it nor --no-activation-checkpointing), its choice: on when the step would not fit without
     it. Memory and time are both at the worst case, every response as long as its limit: right for memory, an upper
-    bound for the step (the step line says so). On CPU there is nothing to plan."""
+    bound for the step (the step line says so). config: the transformers config of --model. On CPU there is nothing
+    to plan."""
     global _plan
     if device.type != "cuda":
         return []
-    shape = Shape.from_config(model_config(args.model))
+    shape = Shape.from_config(config)
     total = torch.cuda.mem_get_info(device)[1] / GB
     setup = setup_of_run(args, world, torch.cuda.get_device_name(device), total)
     lines = []

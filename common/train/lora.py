@@ -22,7 +22,6 @@ from typing import Literal
 import torch
 
 from common.train.model import decoder_layers
-from common.train.moe import active_share
 from sharding.lora import is_lora_layer, is_trained_weight, lora_layers
 
 LORA_LR_SCALE = 10  # an unset --lr with LoRA: this times full fine-tuning's default (see the module docstring)
@@ -143,17 +142,3 @@ def adapters_off(model: torch.nn.Module | None):
         for layer in layers:
             layer._disable_adapters = False
 
-
-def flop_weighted_params(models: list[torch.nn.Module]) -> tuple[int, float]:
-    """(parameters a training state holds, parameters as MFU counts them) of the models that train: a frozen
-    parameter takes no weight gradient, so 4 of a trained one's 6 FLOPs per token (forward, gradient of the input);
-    a mixture-of-experts layer's expert weights count for the share of them a token runs through (its active
-    parameters: top k of the experts)."""
-    trained, counted = 0, 0.0
-    for model in models:
-        share = active_share(getattr(model, "config", None))
-        for name, param in model.named_parameters():
-            n = param.numel() * (share if ".experts." in name else 1.0)
-            trained += param.numel() if param.requires_grad else 0
-            counted += n if param.requires_grad else n * 4 / 6
-    return trained, counted

@@ -10,10 +10,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from common.data.synthetic import build_tiny_tokenizer, tiny_model_config
 from common.train.logprobs import use_packed_attention
 from common.train.moe import install_router_hooks
 from common.train.sequence_parallel import check_heads, sequence_parallel_size
+from common.train.tiny_model import build_tiny_tokenizer, tiny_model_config
 from sharding.checkpoint import load_saved_tokenizer
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sharding.vllm_moe import expert_count, is_moe
+from sharding.vllm_moe import is_moe
 
 # The routers this code knows, by model type: each computes softmax(logits), takes the top k, and (per the config's
 # norm_topk_prob; Mixtral always) renormalises their probabilities into the gate values.
@@ -45,14 +45,6 @@ class RoutingReplayArgs:
     engine its own), and the trainer's forwards use them instead of their own top-k, so the sampling, old, current
     and reference policies run the same experts; moe/route_agreement is how often the trainer would have chosen the
     same ones. Single-turn rollouts only"""
-
-
-def active_share(config) -> float:
-    """The share of a layer's experts each token runs through (top k of them): what an expert weight counts for in
-    FLOPs per token, and so in MFU. 1 for a model without experts."""
-    if config is None or not is_moe(config):
-        return 1.0
-    return config.get_text_config().num_experts_per_tok / expert_count(config)
 
 
 def check_routing_replay(args, config) -> None:

@@ -11,11 +11,11 @@ Both are FSDP2-sharded like the policy (common/train/model.py) and computed in p
 
 import torch
 
-from common.data.synthetic import tiny_model_config
 from common.train.batching import pack_sequences, plan_equal_micro_batches
 from common.train.logprobs import attach_forward_method, sample_lengths
 from common.train.model import check_model_source, from_pretrained, load_model
 from common.train.sequence_parallel import gather_scored, local_part, sequence_parallel_size
+from common.train.tiny_model import tiny_model_config
 
 
 def load_critic(model: str | None, critic_model: str | None, tokenizer, seed: int,
