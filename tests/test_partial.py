@@ -117,3 +117,22 @@ def test_partial_rollouts_learn_the_builtin_task_as_fast_as_synchronous(builtin_
     assert result.returncode == 0, result.stderr[-3000:]
     accuracies = [json.loads(line).get("eval/accuracy") for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert max(a for a in accuracies if a is not None) >= target - 0.02, (target, accuracies)
+
+
+def test_split_partial_run_keeps_staleness_across_a_resume(tmp_path):
+    """--rollout-ranks 1 --partial-rollouts (2 trainers, 1 rollout rank, synchronous): responses are continued across
+    phases on the rollout rank, no trained sample is older than --max-staleness, also after the run is killed right
+    after the state of step 4 and resumed (the rollout rank does not save what it had in flight: the resumed run
+    admits from its data position again)."""
+    save_random_model("tiny", str(tmp_path / "model"), stop_every=4)
+    args = [*PARTIAL, "--model", str(tmp_path / "model"), "--rollout-ranks", "1", "--steps", "7", "--eval-every", "0",
+            "--save-state-every", "2", "--output-dir", str(tmp_path / "run")]
+    crashed = torchrun(args, tmp_path, nproc=3, env={"NANORL_TEST_CRASH": "after_state:4"})
+    assert crashed.returncode != 0
+    result = torchrun(args, tmp_path, nproc=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 4" in result.stdout + result.stderr
+    steps = [r for r in metric_rows(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in steps][-3:] == [5, 6, 7]
+    assert all(r["rollout/sample_age_max"] <= 2 and r["rollout/staleness_max"] <= 2 for r in steps)
+    assert max(r["rollout/continued_frac"] for r in steps) > 0

@@ -226,8 +226,10 @@ class SplitRollouts(Rollouts):
         logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout "
                      f"ranks" + (f", async (max staleness {args.max_staleness})"
                                  if args.async_rollout else ", synchronous"))
-        self.staleness = args.max_staleness if args.async_rollout else 0
+        self.staleness = args.max_staleness if args.async_rollout else 0  # of the versions batches are generated with
         self.versions_to_send = set(weight_versions(start_step, args.steps, self.staleness, args.eval_every))
+        # How old a trained sample's first token may be: with --partial-rollouts its group waits up to --max-staleness
+        self.max_lag = args.max_staleness if args.async_rollout or args.partial_rollouts else 0
         self.link_dtype = compute_dtype(args.precision) if args.rollout_engine == "vllm" else torch.float32
         self.arrived_evals = {}  # evaluations received from the rollout ranks, not logged yet
         self.stopping = False  # the run stops before its last step (a stop signal)
@@ -253,10 +255,11 @@ class SplitRollouts(Rollouts):
         samples = batch["samples"]
         metrics = {f"time/rollout_{k}": v for k, v in batch["seconds"].items()}
         metrics["reward/timeouts"] = batch["reward_timeouts"]
+        metrics.update(batch["metrics"])  # --partial-rollouts: the rollout ranks' phase, over all of them
         metrics.update(episode_metrics(samples, self.device))
         self.arrived_evals.update(batch["evals"])  # reported by publish
         # How many updates old the weights that generated this batch were.
-        lag = staleness_metrics([s["version"] for s in samples], step - 1, self.staleness)
+        lag = staleness_metrics([s["version"] for s in samples], step - 1, self.max_lag)
         total, count = all_reduce_sum([lag["staleness_sum"], len(samples)], self.device)
         metrics.update({"rollout/staleness_mean": total / max(count, 1),
                         "rollout/staleness_max": max_over_ranks(lag["staleness_max"], self.device)})
@@ -302,7 +305,7 @@ class SplitRollouts(Rollouts):
         samples = [s for m in messages for s in m["samples"]]
         per_rank = len(samples) // placement.world
         return {"samples": samples[placement.rank * per_rank:(placement.rank + 1) * per_rank],
-                "evals": messages[0]["evals"],
+                "evals": messages[0]["evals"], "metrics": messages[0].get("metrics", {}),
                 "seconds": {k: max(m["seconds"].get(k, 0.0) for m in messages) for k in messages[0]["seconds"]},
                 "reward_timeouts": float(sum(m["reward_timeouts"] for m in messages))}
 

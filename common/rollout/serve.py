@@ -12,6 +12,7 @@ from common.rollout.args import sequences_at_once, wants_episodes
 from common.rollout.engines import make_rollout_engine
 from common.rollout.episodes import MultiTurn
 from common.rollout.generate import evaluate, sample_batch, scored_samples
+from common.rollout.partial import GroupsInFlight
 from common.rollout.rewards import RewardScorer
 from common.rollout.split import (STOP, behaviour_version, close_link, eval_versions, load_into_module, recv_header,
                                   recv_weights, send_object, weight_versions)
@@ -61,6 +62,11 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
                             args.seed)
     for _ in range(start_step):  # the trainers' data position: batches are a function of the step
         sampler.next_batch()
+    # --partial-rollouts: groups kept across steps here (responses in flight when the run stopped are not saved: a
+    # resumed run admits its prompts from the data position of its step again)
+    in_flight = GroupsInFlight(args, sampler.prompts_per_rank, placement.rank) if args.partial_rollouts else None
+    if in_flight is not None:
+        in_flight.admitted_batches = start_step
     versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
     to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
     held, evals, timer, pending = None, {}, StageTimer(device, args.hang_timeout, output_dir), collections.deque()
@@ -100,13 +106,19 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         if not receive_through(behaviour_version(step, start_step, staleness)):
             finished = False
             break
-        prompts = sampler.next_batch()
-        with timer("generate"):
-            outputs = sample_batch(engine, scorer, multi_turn, tokenizer, prompts, args, step)
-        with timer("reward"):  # what scoring adds after generation
-            samples, reward_timeouts = scored_samples(prompts, outputs, scorer, multi_turn, version=held)
+        phase = {}
+        if in_flight is not None:  # a phase that ends once it holds the step's groups (version held = step - 1)
+            with timer("generate"):
+                samples, phase = in_flight.next_batch(engine, scorer, tokenizer, sampler, step, device)
+            reward_timeouts = phase.pop("reward/timeouts")
+        else:
+            prompts = sampler.next_batch()
+            with timer("generate"):
+                outputs = sample_batch(engine, scorer, multi_turn, tokenizer, prompts, args, step)
+            with timer("reward"):  # what scoring adds after generation
+                samples, reward_timeouts = scored_samples(prompts, outputs, scorer, multi_turn, version=held)
         stop = stop_agreed(device)  # collective over the rollout ranks: a signal here makes this batch the last
-        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts,
+        send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts, "metrics": phase,
               "stop": stop and (stop_requested() or "a stop signal on another rollout rank")})
         if stop and step < args.steps:  # the trainers train it, save, stop and say STOP
             finished = receive_through(args.steps, evaluating=False)
