@@ -6,6 +6,10 @@ task as fast as the synchronous run."""
 import json
 import math
 import re
+import signal
+import time
+
+import pytest
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -15,7 +19,7 @@ from common.rollout.engines import HFRolloutEngine
 from common.train.off_policy import importance_weights, reject_mismatched_sequences
 from scripts.random_model import save_random_model
 from test_grpo import tiny_model
-from test_grpo_e2e import metric_rows, torchrun
+from test_grpo_e2e import launch, metric_rows, torchrun
 
 PARTIAL = ["--partial-rollouts", "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "16",
            "--max-response-len", "8", "--max-staleness", "2", "--lr", "1e-3"]
@@ -136,3 +140,34 @@ def test_split_partial_run_keeps_staleness_across_a_resume(tmp_path):
     assert [r["step"] for r in steps][-3:] == [5, 6, 7]
     assert all(r["rollout/sample_age_max"] <= 2 and r["rollout/staleness_max"] <= 2 for r in steps)
     assert max(r["rollout/continued_frac"] for r in steps) > 0
+
+
+@pytest.mark.faults  # a signal to the whole launch: the fault-tolerance step (pytest.ini)
+def test_sigterm_with_responses_in_flight_saves_them_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """SIGTERM to torchrun while step 5's rollout is about to continue the responses step 4 cut (rank 0 held at the
+    stage's start by a hand-shake): the step finishes and is saved with its responses in flight; the same command
+    then continues them, and the whole equals a run never stopped, metric for metric and weight for weight."""
+    save_random_model("tiny", str(tmp_path / "model"), stop_every=4)
+    args = [*PARTIAL, "--model", str(tmp_path / "model"), "--steps", "8", "--eval-every", "4", "--save-state-every", "0"]
+    whole, stopped, gate = tmp_path / "whole", tmp_path / "stopped", tmp_path / "gate"
+    assert torchrun([*args, "--output-dir", str(whole)], tmp_path).returncode == 0
+    proc = launch([*args, "--output-dir", str(stopped)], tmp_path,
+                  env={"NANORL_TEST_CRASH": f"rollout:5:rank=0:until={gate}"})
+    wait = 0
+    while not (tmp_path / "gate.reached").exists():
+        assert proc.poll() is None and wait < 1800, proc.stdout.read()[-3000:]
+        wait += 1
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    gate.touch()
+    output = proc.communicate(timeout=180)[0]
+    assert "saved the training state" in output, output[-3000:]
+    saved = torch.load(stopped / "state_000005" / "rollouts_rank0.pt")["groups"]
+    assert any(r["response_ids"] and not r["done"] for g in saved for r in g["responses"])  # cut, kept
+    result = torchrun([*args, "--output-dir", str(stopped)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {stopped / 'state_000005'} at step 5" in result.stdout + result.stderr
+    assert metric_rows(stopped) == metric_rows(whole)
+    final_whole = AutoModelForCausalLM.from_pretrained(whole / "hf_step_8").state_dict()
+    final_stopped = AutoModelForCausalLM.from_pretrained(stopped / "hf_step_8").state_dict()
+    assert all(torch.equal(final_whole[k], final_stopped[k]) for k in final_whole)
