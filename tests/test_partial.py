@@ -77,6 +77,22 @@ def test_mis_rejects_responses_whose_geometric_mean_ratio_leaves_the_band():
     assert [s["loss_weight"] for s in samples] == [1.0, 0.0, 1.0] and "rejected" in samples[1]
 
 
+def test_a_lower_max_staleness_on_resume_drops_the_groups_it_no_longer_allows():
+    """Saved at step 6 with groups admitted at steps 4, 5 and 6 (--max-staleness 2), resumed with 1: the group of
+    step 4 could only be trained at step 7, 3 updates after its admission, so it is dropped and counted."""
+    from types import SimpleNamespace
+
+    from common.rollout.partial import GroupsInFlight
+    saved = {"groups": [dict(key=k, row={}, admitted=k, rewards=None, responses=[dict(response_ids=[1])] * 2)
+                        for k in (4, 5, 6)], "next_key": 7}
+    kept = GroupsInFlight(SimpleNamespace(max_staleness=1, group_size=2), 1, rank=0, start_step=6)
+    kept.load_rank_state_dict(saved, [saved])
+    assert [g.admitted for g in kept.groups] == [6] and kept.dropped == 4
+    same = GroupsInFlight(SimpleNamespace(max_staleness=2, group_size=2), 1, rank=0, start_step=6)
+    same.load_rank_state_dict(saved, [saved])
+    assert [g.admitted for g in same.groups] == [5, 6] and same.dropped == 2
+
+
 def test_partial_run_keeps_staleness_and_resumes_exactly(tmp_path):
     """2 ranks, a random model that ends about one response in four at each token (scripts/random_model.py
     --stop-every 4), so that groups complete at different times and responses are cut at phase ends: every trained

@@ -99,8 +99,9 @@ class RolloutArgs:
     """with --env / --tools: seconds one environment call (a reset, or a step with the tools it runs) may take; a
     slower one is stopped (its process killed), its episode ends with reward 0 and is counted (episode/env_timeouts)"""
 
-    # Flags a resumed run keeps (--partial-rollouts and --max-staleness: the responses in flight were admitted under them)
-    fixed_on_resume = ("answer_key", "system_prompt", "prompt_template", "partial_rollouts", "max_staleness")
+    # Flags a resumed run keeps (--partial-rollouts: the responses in flight; a lower --max-staleness drops those it
+    # no longer allows, common/rollout/partial.py)
+    fixed_on_resume = ("answer_key", "system_prompt", "prompt_template", "partial_rollouts")
 
 
 def default_response_len(args) -> int:

@@ -62,8 +62,8 @@ def low_busy_seconds(busy: list[tuple[float, int]], requests: int) -> tuple[floa
 class GroupsInFlight:
     """One rank's groups across phases, and the phase that advances them (see the module's docstring)."""
 
-    def __init__(self, args, prompts_per_rank: int, rank: int):
-        self.args, self.prompts_per_rank, self.rank = args, prompts_per_rank, rank
+    def __init__(self, args, prompts_per_rank: int, rank: int, start_step: int = 0):
+        self.args, self.prompts_per_rank, self.rank, self.start_step = args, prompts_per_rank, rank, start_step
         self.groups: list[Group] = []
         self.admitted_batches = 0  # over the run, the same on every rank
         self.next_key = 0
@@ -173,10 +173,13 @@ class GroupsInFlight:
     def load_rank_state_dict(self, state: dict | None, saved: list[dict]) -> None:
         """state: this rank's saved groups; None when the run resumed on another number of ranks, whose prompts are
         shared out differently: then the responses every rank kept (`saved`) are dropped and counted in `dropped`
-        (their prompts are not admitted again)."""
+        (their prompts are not admitted again). So are the groups a --max-staleness lower than the saved run's no
+        longer allows to be trained."""
         if state is None:
             self.dropped = sum(len(g["responses"]) for s in saved for g in s["groups"])
             return
-        self.groups = [Group(g["key"], g["row"], g["admitted"], [Response(**r) for r in g["responses"]], g["rewards"])
-                       for g in state["groups"]]
+        groups = [Group(g["key"], g["row"], g["admitted"], [Response(**r) for r in g["responses"]], g["rewards"])
+                  for g in state["groups"]]
+        self.groups = [g for g in groups if g.admitted + self.args.max_staleness > self.start_step]
+        self.dropped = sum(len(g.responses) for g in groups if g not in self.groups)
         self.next_key = state["next_key"]

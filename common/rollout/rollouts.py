@@ -140,7 +140,7 @@ class ColocatedRollouts(Rollouts):
             logger.print(f"vLLM: {memory}, sleep level {self.engine.sleep_level}")
         self.synced_version = -1  # the policy version the engine holds
         # --partial-rollouts: groups kept across steps, their responses continued (common/rollout/partial.py)
-        self.in_flight = GroupsInFlight(args, self.sampler.prompts_per_rank, placement.rank) \
+        self.in_flight = GroupsInFlight(args, self.sampler.prompts_per_rank, placement.rank, start_step) \
             if args.partial_rollouts else None
         self._sleep()  # until the first rollout: loading a training state needs the memory
         install_stop_handlers()  # again: the engine may have set handlers of its own

@@ -96,7 +96,8 @@ class Checkpoints:
                           f"exact, random streams re-seeded)"))
         if getattr(getattr(self.data, "in_flight", None), "dropped", 0):
             self.logger.print(f"dropped the {self.data.in_flight.dropped} responses the saved run had in flight "
-                              f"(--partial-rollouts): they are continued only on the same number of ranks")
+                              f"(--partial-rollouts): they are continued only on the same number of ranks, within "
+                              f"--max-staleness")
         return info["extra"]
 
     def export(self, step: int) -> None:
