@@ -251,7 +251,8 @@ def update_policy(model, optimizer, samples: list[dict], args: Args, world: int,
 def step_metrics(samples: list[dict], generated: list[dict], stats: dict, args: Args, world: int, device) -> dict:
     """Collective: what is logged of a step, over all ranks. generated: the samples as they came from the rollout
     (before they were shared out for training); samples: this rank's training share, with its log-probs."""
-    lengths, scored = sample_lengths(samples), [s for s in samples if s["loss_weight"] > 0]  # those trained on
+    # Those trained on, and those --off-policy-correction mis rejected: both have the trainer's log-probs.
+    lengths, scored = sample_lengths(samples), [s for s in samples if s["loss_weight"] > 0 or "rejected" in s]
     # Counts of samples as generated, each once (a sequence-parallel group's ranks share the same training samples).
     with_signal = [s for s in generated if s["loss_weight"] > 0]
     sums = sum_over_ranks({

@@ -6,6 +6,7 @@ task as fast as the synchronous run."""
 import json
 import math
 import re
+import shutil
 import signal
 import time
 
@@ -106,6 +107,7 @@ def test_partial_run_keeps_staleness_and_resumes_exactly(tmp_path):
     assert torchrun([*args, "--output-dir", str(whole)], tmp_path).returncode == 0
     crashed = torchrun([*args, "--output-dir", str(killed)], tmp_path, env={"NANORL_TEST_CRASH": "after_state:4"})
     assert crashed.returncode != 0
+    shutil.copytree(killed, tmp_path / "on_one_rank")  # for the resume on another number of ranks, below
     result = torchrun([*args, "--output-dir", str(killed)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {killed / 'state_000004'} at step 4" in result.stdout + result.stderr
@@ -118,12 +120,14 @@ def test_partial_run_keeps_staleness_and_resumes_exactly(tmp_path):
     final_killed = AutoModelForCausalLM.from_pretrained(killed / "hf_step_8").state_dict()
     assert all(torch.equal(final_whole[k], final_killed[k]) for k in final_whole)
 
+    one_rank = tmp_path / "on_one_rank"
     in_flight = sum(len(g["responses"]) for r in range(2) for g in
-                    torch.load(killed / "state_000008" / f"rollouts_rank{r}.pt")["groups"])
-    one_rank = torchrun([*args, "--steps", "10", "--output-dir", str(killed)], tmp_path, nproc=1)
-    assert one_rank.returncode == 0, one_rank.stderr[-3000:]
-    assert f"dropped the {in_flight} responses the saved run had in flight" in one_rank.stdout + one_rank.stderr
-    assert all(r["rollout/sample_age_max"] <= 2 for r in metric_rows(killed) if r["step"] > 8)
+                    torch.load(one_rank / "state_000004" / f"rollouts_rank{r}.pt")["groups"])
+    assert in_flight > 0
+    result = torchrun([*args, "--output-dir", str(one_rank)], tmp_path, nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"dropped the {in_flight} responses the saved run had in flight" in result.stdout + result.stderr
+    assert all(r["rollout/sample_age_max"] <= 2 for r in metric_rows(one_rank) if r["step"] > 4)
 
 
 def test_partial_rollouts_learn_the_builtin_task_as_fast_as_synchronous(builtin_sync_run, tmp_path):
@@ -187,3 +191,70 @@ def test_sigterm_with_responses_in_flight_saves_them_and_the_resumed_run_equals_
     final_whole = AutoModelForCausalLM.from_pretrained(whole / "hf_step_8").state_dict()
     final_stopped = AutoModelForCausalLM.from_pretrained(stopped / "hf_step_8").state_dict()
     assert all(torch.equal(final_whole[k], final_stopped[k]) for k in final_whole)
+
+
+class NewestFirst:
+    """An engine whose requests end newest group first, at a steady pace (two tokens each), whatever the phase asks:
+    the order that tempts a phase to train young groups and leave old ones due together."""
+
+    def generate_until(self, requests, temperature, top_p, on_finish, stop, logprobs=True):
+        from common.rollout.completion import Completion
+        pending = sorted(requests, key=lambda r: -r.key[0])
+        while pending and not stop():
+            on_finish(pending.pop(0).key, Completion([3, 2], [-0.1, -0.1], True))
+        return {r.key: Completion([3], [-0.1], False) for r in pending}, []
+
+
+def phases_newest_first(rank: int, port: int, out_dir: str):
+    from types import SimpleNamespace
+
+    from common.rollout.partial import GroupsInFlight
+    from gloo import finish_gloo, init_gloo
+
+    class Prompts:
+        drawn = 0
+
+        def next_batch(self):
+            self.drawn += 1
+            return [dict(prompt_ids=[1], prompt=f"p{self.drawn}", answer="a")] * batch
+
+    class Scorer:
+        def submit(self, key, prompts, texts, answers):
+            self.keys = getattr(self, "keys", []) + [key]
+
+        def collect(self):
+            keys, self.keys = getattr(self, "keys", []), []
+            return [[0.0, 1.0] for _ in keys], 0
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+
+    init_gloo(rank, 1, port)
+    ages = {}
+    for staleness in (0, 1, 2, 3):
+        for batch in (1, 3):
+            args = SimpleNamespace(max_staleness=staleness, group_size=2, max_response_len=16, seed=0, temperature=1.0,
+                                   top_p=1.0, steps=20)
+            groups, prompts = GroupsInFlight(args, batch, rank=0), Prompts()
+            for step in range(1, 21):
+                samples, metrics, _ = groups.next_batch(NewestFirst(), Scorer(), Tokenizer(), prompts, step,
+                                                        torch.device("cpu"))
+                assert len(samples) == 2 * batch
+                ages[staleness, batch, step] = metrics["rollout/sample_age_max"]
+            ages[staleness, batch, "left"] = len(groups.groups)
+    torch.save(ages, f"{out_dir}/ages.pt")
+    finish_gloo()
+
+
+def test_young_groups_finishing_first_never_leave_old_ones_past_their_deadline(tmp_path):
+    """Groups end newest first: every step still trains a full batch, no sample is older than --max-staleness (and
+    with 2 or more, some reach it), and nothing is admitted that the run's last step would not train."""
+    import launcher
+    from gloo import free_port
+    launcher.spawn(phases_newest_first, args=(free_port(), str(tmp_path)), nprocs=1)
+    ages = torch.load(tmp_path / "ages.pt")
+    for staleness in (0, 1, 2, 3):
+        for batch in (1, 3):
+            assert max(ages[staleness, batch, step] for step in range(1, 21)) == staleness
+            assert ages[staleness, batch, "left"] == 0

@@ -267,22 +267,24 @@ class PhaseEnd(StoppingCriteria):
         self.requests, self.stop_token_ids, self.prompt_len, self.sampler = requests, set(stop_token_ids), prompt_len, sampler
         self.on_finish, self.stop, self.logprobs = on_finish, stop, logprobs
         self.ended = [False] * len(requests)
-        self.new_ids: torch.Tensor | None = None
+        self.input_ids: torch.Tensor | None = None
         self.start, self.running = time.perf_counter(), []
 
     def completion(self, i: int, finished: bool) -> Completion:
-        ids = self.new_ids[i].tolist()
+        """Request i's tokens so far (a row that ended is padded after its end, which is cut)."""
+        ids = self.input_ids[i, self.prompt_len:].tolist()
         length = next((j + 1 for j, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
         ids = ids[:min(length, self.requests[i].max_tokens)]
         return Completion(ids, self.sampler.logprobs[i][:len(ids)] if self.logprobs else None, finished)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        self.new_ids = input_ids[:, self.prompt_len:].cpu()
+        self.input_ids, length = input_ids, input_ids.shape[1] - self.prompt_len
+        last = input_ids[:, -1].tolist()  # a running row holds no earlier stop token: it would have ended there
         for i, request in enumerate(self.requests):
             if self.ended[i]:
                 continue
-            stopped = bool(self.stop_token_ids.intersection(self.new_ids[i].tolist()))
-            if stopped or self.new_ids.shape[1] >= request.max_tokens:
+            stopped = last[i] in self.stop_token_ids
+            if stopped or length >= request.max_tokens:
                 self.ended[i] = True
                 self.on_finish(request.key, self.completion(i, finished=stopped))
         self.running.append((time.perf_counter() - self.start, self.ended.count(False)))

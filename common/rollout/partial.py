@@ -2,14 +2,17 @@
 response ends.
 
 Each rank keeps the groups it has started (`GroupsInFlight`). A phase (one per step, after the weight sync):
-1. admits new prompts, a batch of --prompts-per-step / ranks at a time, while the samples of every group admitted so
-   far can still be trained within --max-staleness updates (AReaL's rule: groups admitted at step a must be
-   trained by step a + max_staleness; since each step trains one batch, at most 1 + max_staleness batches are in
-   flight). That bound is kept at admission: finished work is never thrown away for being old;
+1. admits new prompts, a batch of --prompts-per-step / ranks at a time, while every group in flight can still be
+   trained within --max-staleness updates of its admission (AReaL's rule: a group admitted at step a must be
+   trained by step a + max_staleness, its deadline; a step trains one batch, so at most 1 + max_staleness batches
+   are in flight, and none that the run's last step would not train). The bound is kept at admission: finished
+   work is never thrown away for being old;
 2. generates every unfinished response (a new one from its prompt, a cut one from its prompt and its tokens so far,
    re-prefilled under the new weights: the engine's prefix cache was emptied with its sleep), and ends as soon as
-   it holds a batch of complete groups including every group due this step (its deadline); the responses still
-   running are cut and kept, with their tokens, the engine's log-probs and the weight version of every token;
+   it holds a batch of complete groups such that every later step can still train the groups due by then (no more
+   than k batches due within the next k steps: a young group that finished first must not leave two old ones due
+   at once); the responses still running are cut and kept, with their tokens, the engine's log-probs and the
+   weight version of every token;
 3. trains the oldest complete groups. A group's rewards are scored when its last response ends.
 
 A group enters training only when all of its members are finished. Its members may span weight versions: every
@@ -64,31 +67,41 @@ class GroupsInFlight:
 
     def __init__(self, args, prompts_per_rank: int, rank: int, start_step: int = 0):
         self.args, self.prompts_per_rank, self.rank, self.start_step = args, prompts_per_rank, rank, start_step
-        self.groups: list[Group] = []
-        self.admitted_batches = 0  # over the run, the same on every rank
+        self.groups: list[Group] = []  # in admission order, which is deadline order
         self.next_key = 0
-        self.dropped = 0  # responses of a resume on another number of ranks, which could not be continued
+        self.dropped = 0  # responses saved in flight that a resume could not continue
 
-    def due(self, group: Group, step: int) -> bool:
-        return group.admitted + self.args.max_staleness <= step
+    def deadline(self, group: Group) -> int:
+        return group.admitted + self.args.max_staleness
 
-    def admit(self, sampler, step: int) -> None:
-        """New groups while every group admitted so far can be trained within --max-staleness of its admission."""
-        while self.admitted_batches < step + self.args.max_staleness:
+    def admit(self, sampler, step: int, device) -> None:
+        """Collective (every rank draws the same batches: the sampler's position is global): new batches while at
+        most 1 + --max-staleness are in flight, and no more than the steps left to the run will train."""
+        room = min(1 + self.args.max_staleness, self.args.steps - step + 1) * self.prompts_per_rank
+        while max_over_ranks(len(self.groups), device) + self.prompts_per_rank <= room:
             for row in sampler.next_batch():
                 self.groups.append(Group(self.next_key, row, step, [Response() for _ in range(self.args.group_size)]))
                 self.next_key += 1
-            self.admitted_batches += 1
+
+    def batch(self) -> list[Group]:
+        """This step's groups: the oldest complete ones."""
+        return [g for g in self.groups if g.complete][:self.prompts_per_rank]
+
+    def trainable(self, deadlines: list[int], step: int) -> bool:
+        """Whether groups of these deadlines (ascending), left after the batch of `step`, can each be trained by its
+        deadline, one batch a step: the i-th (0-based) needs (deadline - step) batches to hold at least i + 1."""
+        return all(i + 1 <= (d - step) * self.prompts_per_rank for i, d in enumerate(deadlines))
 
     def phase_over(self, step: int) -> bool:
-        complete = sum(g.complete for g in self.groups)
-        return complete >= self.prompts_per_rank and all(g.complete for g in self.groups if self.due(g, step))
+        batch = {g.key for g in self.batch()}
+        return len(batch) == self.prompts_per_rank and \
+            self.trainable([self.deadline(g) for g in self.groups if g.key not in batch], step)
 
-    def next_batch(self, engine, scorer, tokenizer, sampler, step: int, device) -> tuple[list[dict], dict]:
-        """Collective (rewards, metrics): one phase with the engine's weights of version step - 1; this rank's
-        batch of samples, prompt-major, and the phase's metrics."""
+    def next_batch(self, engine, scorer, tokenizer, sampler, step: int, device) -> tuple[list[dict], dict, int]:
+        """Collective (admission, rewards, metrics): one phase with the engine's weights of version step - 1; this
+        rank's batch of samples, prompt-major, the phase's metrics, and this rank's reward calls that timed out."""
         args, version = self.args, step - 1
-        self.admit(sampler, step)
+        self.admit(sampler, step, device)
         requests, scored = [], []
         for g in self.groups:
             for i, r in enumerate(g.responses):
@@ -121,15 +134,14 @@ class GroupsInFlight:
         rewards, timeouts = collect_rewards(scorer)  # every rank: by key, as scored
         for key, group_rewards in zip(sorted(scored), rewards):
             by_key[key].rewards = group_rewards
-        batch = [g for g in self.groups if g.complete][:self.prompts_per_rank]  # the oldest complete groups
-        assert len(batch) == self.prompts_per_rank and all(g in batch for g in self.groups if self.due(g, step))
-        self.groups = [g for g in self.groups if g not in batch]
+        batch = self.batch()  # the oldest complete groups; the phase ended once the rest can wait (or all ended)
+        assert self.phase_over(step), "the groups in flight cannot all be trained in time (a bookkeeping bug)"
+        self.groups = [g for g in self.groups if g.key not in {b.key for b in batch}]
         samples = [dict(prompt_ids=g.row["prompt_ids"], response_ids=r.response_ids, logprobs=r.logprobs,
                         finished=r.finished, reward=reward, version=r.versions[0][0] if r.versions else version,
                         versions=r.versions)
                    for g in batch for r, reward in zip(g.responses, g.rewards)]
-        return samples, {"reward/timeouts": all_reduce_sum([timeouts], device)[0],
-                         **self.metrics(samples, version, len(requests), continued, busy, device)}
+        return samples, self.metrics(samples, version, len(requests), continued, busy, device), timeouts
 
     def metrics(self, samples: list[dict], trainer_version: int, requests: int, continued: int, busy, device) -> dict:
         """Collective: how old the trained samples and tokens are (updates behind the trainer; a sample's age is its
@@ -137,13 +149,13 @@ class GroupsInFlight:
         continued a response, and of its time spent with fewer than LOW_BUSY of its requests running."""
         s = self.args.max_staleness
         sample_ages = [trainer_version - x["version"] for x in samples]
+        if max(sample_ages, default=0) > s or min(sample_ages, default=0) < 0:
+            raise RuntimeError(f"samples {sorted(set(sample_ages))} updates old reached the trainer: the admission "
+                               f"rule keeps them within --max-staleness {s} (a bookkeeping bug)")
         token_ages = [0.0] * (s + 1)
         for x in samples:
             for v, n in x["versions"]:
                 token_ages[trainer_version - v] += n
-        if max(sample_ages, default=0) > s or min(sample_ages, default=0) < 0:
-            raise RuntimeError(f"samples {sorted(set(sample_ages))} updates old reached the trainer: the admission "
-                               f"rule keeps them within --max-staleness {s} (a bookkeeping bug)")
         sums = all_reduce_sum([len(samples), sum(sample_ages), sum(len(x["versions"]) > 1 for x in samples),
                                requests, continued, *low_busy_seconds(busy, requests), *token_ages], device)
         count, age_sum, spanning, requested, continued_sum, low_sum, seconds, *tokens = sums
@@ -156,13 +168,6 @@ class GroupsInFlight:
                 "rollout/requests_continued_frac": continued_sum / max(requested, 1),
                 "perf/rollout_low_busy_frac": low_sum / seconds if seconds else 0.0,  # a timing: no two runs share it
                 "rollout/groups_in_flight": all_reduce_sum([len(self.groups)], device)[0]}
-
-    def state_dict(self) -> dict:
-        """What every rank shares (in the run's JSON state): the batches admitted."""
-        return {"admitted_batches": self.admitted_batches}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.admitted_batches = state["admitted_batches"]
 
     def rank_state_dict(self) -> dict:
         """This rank's groups, their responses so far included (a file per rank in the training state)."""
@@ -180,6 +185,10 @@ class GroupsInFlight:
             return
         groups = [Group(g["key"], g["row"], g["admitted"], [Response(**r) for r in g["responses"]], g["rewards"])
                   for g in state["groups"]]
-        self.groups = [g for g in groups if g.admitted + self.args.max_staleness > self.start_step]
-        self.dropped = sum(len(g.responses) for g in groups if g not in self.groups)
+        for g in groups:  # oldest first: kept while every kept group can still be trained by its deadline
+            if self.deadline(g) > self.start_step and \
+                    self.trainable([self.deadline(k) for k in self.groups + [g]], self.start_step):
+                self.groups.append(g)
+            else:
+                self.dropped += len(g.responses)
         self.next_key = state["next_key"]

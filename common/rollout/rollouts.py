@@ -90,17 +90,12 @@ class Rollouts:
         """At the end of the run, after the last save."""
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the data position and the evaluations so far (and with --partial-rollouts the
-        batches admitted)."""
-        in_flight = getattr(self, "in_flight", None)
-        return {"sampler": self.sampler.state_dict(), "first_eval": self.first_eval, "last_eval": self.last_eval,
-                **({"in_flight": in_flight.state_dict()} if in_flight else {})}
+        """What a checkpoint keeps: the data position and the evaluations so far."""
+        return {"sampler": self.sampler.state_dict(), "first_eval": self.first_eval, "last_eval": self.last_eval}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.first_eval, self.last_eval = state["first_eval"], state["last_eval"]
-        if getattr(self, "in_flight", None):
-            self.in_flight.load_state_dict(state["in_flight"])
 
     def rank_state_dict(self) -> dict | None:
         """What this rank alone holds, saved in a file of its own: the groups in flight (--partial-rollouts)."""
@@ -108,7 +103,8 @@ class Rollouts:
         return in_flight.rank_state_dict() if in_flight else None
 
     def load_rank_state_dict(self, state: dict | None, saved: list[dict]) -> None:
-        self.in_flight.load_rank_state_dict(state, saved)
+        if getattr(self, "in_flight", None):  # (the rollout ranks of split placement hold theirs: not saved)
+            self.in_flight.load_rank_state_dict(state, saved)
 
 
 class ColocatedRollouts(Rollouts):
@@ -152,10 +148,10 @@ class ColocatedRollouts(Rollouts):
         metrics = self._sync()
         if self.in_flight is not None:  # a phase that ends once it holds the step's groups
             with self.timer("rollout"):
-                samples, phase = self.in_flight.next_batch(self.engine, self.scorer, self.tokenizer, self.sampler,
-                                                           step, self.device)
+                samples, phase, timeouts = self.in_flight.next_batch(self.engine, self.scorer, self.tokenizer,
+                                                                     self.sampler, step, self.device)
             self._after_rollout()
-            return samples, {**metrics, **phase}
+            return samples, {**metrics, **phase, "reward/timeouts": all_reduce_sum([timeouts], self.device)[0]}
         prompts = self.sampler.next_batch()
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
             outputs = sample_batch(self.engine, self.scorer, self.multi_turn, self.tokenizer, prompts, self.args, step)

@@ -64,9 +64,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         sampler.next_batch()
     # --partial-rollouts: groups kept across steps here (responses in flight when the run stopped are not saved: a
     # resumed run admits its prompts from the data position of its step again)
-    in_flight = GroupsInFlight(args, sampler.prompts_per_rank, placement.rank) if args.partial_rollouts else None
-    if in_flight is not None:
-        in_flight.admitted_batches = start_step
+    in_flight = GroupsInFlight(args, sampler.prompts_per_rank, placement.rank, start_step) \
+        if args.partial_rollouts else None
     versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
     to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
     held, evals, timer, pending = None, {}, StageTimer(device, args.hang_timeout, output_dir), collections.deque()
@@ -109,8 +108,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         phase = {}
         if in_flight is not None:  # a phase that ends once it holds the step's groups (version held = step - 1)
             with timer("generate"):
-                samples, phase = in_flight.next_batch(engine, scorer, tokenizer, sampler, step, device)
-            reward_timeouts = phase.pop("reward/timeouts")
+                samples, phase, reward_timeouts = in_flight.next_batch(engine, scorer, tokenizer, sampler, step,
+                                                                       device)
         else:
             prompts = sampler.next_batch()
             with timer("generate"):
