@@ -258,3 +258,16 @@ def test_young_groups_finishing_first_never_leave_old_ones_past_their_deadline(t
         for batch in (1, 3):
             assert max(ages[staleness, batch, step] for step in range(1, 21)) == staleness
             assert ages[staleness, batch, "left"] == 0
+
+
+def test_ppo_runs_partial_rollouts_with_each_correction(tmp_path):
+    """ppo.py with --partial-rollouts (2 ranks, responses cut and continued) and --off-policy-correction mis, then
+    icepop: both complete, within the staleness bound."""
+    save_random_model("tiny", str(tmp_path / "model"), stop_every=4)
+    for correction in ("mis", "icepop"):
+        out = tmp_path / correction
+        result = torchrun([*PARTIAL, "--model", str(tmp_path / "model"), "--steps", "4", "--eval-every", "0",
+                           "--off-policy-correction", correction, "--output-dir", str(out)], tmp_path, script="ppo.py")
+        assert result.returncode == 0, result.stderr[-3000:]
+        steps = [r for r in metric_rows(out) if r["step"] > 0]
+        assert len(steps) == 4 and all(r["rollout/sample_age_max"] <= 2 and "tis/weight_mean" in r for r in steps)
