@@ -49,33 +49,18 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
                  seed: int, greedy: bool = False, on_finish=None, logprobs: bool = True) -> list[list[Completion]]:
-        device = next(self.model.parameters()).device
-        longest = max(len(p) for p in prompt_ids)
-        # Left-pad so that every prompt ends where generation starts.
-        input_ids = torch.full((len(prompt_ids), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, p in enumerate(prompt_ids):
-            input_ids[i, longest - len(p):] = torch.tensor(p)
-            attention_mask[i, longest - len(p):] = 1
+        device, longest = next(self.model.parameters()).device, max(len(p) for p in prompt_ids)
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        was_training, attention = self.model.training, self.model.config._attn_implementation
-        self.model.eval()
-        self.model.set_attn_implementation("sdpa")  # padded batches and a KV cache; training may use packed rows
         # A private RNG stream per (seed, rank): sampling never disturbs the training RNG, and ranks differ.
         routes = recorded_routes(self.model, on=self.record_routes and not greedy)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), non_finite_logits_named(), routes:
+        with self._generating(prompt_ids) as inputs, routes, \
+                torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed * 1000 + self.rank)
             out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                max_new_tokens=max_tokens, num_return_sequences=1 if greedy else n, eos_token_id=self.stop_token_ids,
-                pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True,
-                # FSDP2 all-gathers weights in every forward: ranks must run the same number of decode steps,
-                # so a rank whose sequences finished keeps stepping until every rank is done.
-                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1, **sampling)
-        self.model.train(was_training)
-        self.model.set_attn_implementation(attention)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's weights gathered after forwards with no backward
-            self.model.reshard()
+                **inputs, max_new_tokens=max_tokens, num_return_sequences=1 if greedy else n,
+                eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id, output_scores=True,
+                return_dict_in_generate=True, synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
+                **sampling)
         new_tokens = out.sequences[:, longest:].cpu()  # [batch * n, steps]
         token_logprobs = None
         if logprobs:  # `scores` are the processed logits (temperature, top-p applied) the token was sampled from
@@ -127,31 +112,41 @@ class HFRolloutEngine:
         of the tokens generated so far} for the requests stop() cut, [(seconds, requests still running)] after each
         decode step). Sampling is SeededSampling's: each token's draw depends on its request's seed and position
         only, so a cut response continued later under the same weights is the response generated in one go."""
-        device, dummy = next(self.model.parameters()).device, not requests or stop()
+        dummy = not requests or stop()
         if dummy:  # nothing to generate here, but FSDP's forward passes are collective: one token of a dummy
             requests, on_finish = [Request(None, [self.pad_token_id], 1, 0)], lambda key, completion: None
         longest = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, r in enumerate(requests):  # left-padded, as in generate
-            input_ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            attention_mask[i, longest - len(r.prompt_ids):] = 1
         sampler = SeededSampling(requests, temperature, top_p, longest)
         phase = PhaseEnd(requests, self.stop_token_ids, longest, sampler, on_finish, stop, logprobs)
+        with self._generating([r.prompt_ids for r in requests]) as inputs:
+            self.model.generate(
+                **inputs, do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
+                eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id, logits_processor=[sampler],
+                stopping_criteria=[phase], synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
+        return ({}, []) if dummy else (phase.cut(), phase.running)
+
+    @contextlib.contextmanager
+    def _generating(self, prompt_ids: list[list[int]]):
+        """HF generate's inputs for these prompts, left-padded so that every prompt ends where generation starts,
+        with the model in eval mode on sdpa attention (padded batches and a KV cache; training may use packed rows)
+        meanwhile. FSDP2 all-gathers weights in every forward, so ranks must run the same number of decode steps:
+        generate is called with synced_gpus, and a rank whose sequences finished keeps stepping until all are done.
+        Afterwards the root's weights, which FSDP2 keeps gathered after forwards with no backward, are resharded."""
+        device, longest = next(self.model.parameters()).device, max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompt_ids):
+            input_ids[i, longest - len(p):] = torch.tensor(p)
+            attention_mask[i, longest - len(p):] = 1
         was_training, attention = self.model.training, self.model.config._attn_implementation
         self.model.eval()
         self.model.set_attn_implementation("sdpa")
         with non_finite_logits_named():
-            self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
-                max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=self.stop_token_ids,
-                pad_token_id=self.pad_token_id, logits_processor=[sampler], stopping_criteria=[phase],
-                synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)  # see generate
+            yield {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
         self.model.train(was_training)
         self.model.set_attn_implementation(attention)
         if hasattr(self.model, "reshard"):
             self.model.reshard()
-        return ({}, []) if dummy else (phase.cut(), phase.running)
 
     def update_weights(self, model) -> dict[str, float]:
         return {}  # generates with the trained model itself

@@ -35,7 +35,7 @@ LOW_BUSY = 0.1  # a phase's time with fewer than this share of its requests stil
 @dataclass
 class Response:
     response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = field(default_factory=list)  # the engine's, token by token
+    logprobs: list[float] = field(default_factory=list)  # the engine's, token by token
     versions: list[list[int]] = field(default_factory=list)  # [[weight version, tokens it generated], ...] in order
     finished: bool = False  # ended at a stop token
     done: bool = False  # ended: a stop token or the length limit
@@ -115,8 +115,7 @@ class GroupsInFlight:
         def add(key, completion: Completion, done: bool) -> None:
             group, response = by_key[key[0]], by_key[key[0]].responses[key[1]]
             response.response_ids += completion.response_ids
-            response.logprobs = None if completion.logprobs is None or response.logprobs is None else \
-                response.logprobs + list(completion.logprobs)
+            response.logprobs += completion.logprobs  # asked for below
             if completion.response_ids:
                 response.versions.append([version, len(completion.response_ids)])
             response.finished, response.done = completion.finished, done
@@ -157,8 +156,9 @@ class GroupsInFlight:
             for v, n in x["versions"]:
                 token_ages[trainer_version - v] += n
         sums = all_reduce_sum([len(samples), sum(sample_ages), sum(len(x["versions"]) > 1 for x in samples),
-                               requests, continued, *low_busy_seconds(busy, requests), *token_ages], device)
-        count, age_sum, spanning, requested, continued_sum, low_sum, seconds, *tokens = sums
+                               requests, continued, len(self.groups), *low_busy_seconds(busy, requests), *token_ages],
+                              device)
+        count, age_sum, spanning, requested, continued_sum, in_flight, low_sum, seconds, *tokens = sums
         trained = max(sum(tokens), 1)
         return {"rollout/sample_age_mean": age_sum / max(count, 1),
                 "rollout/sample_age_max": max_over_ranks(max(sample_ages, default=0), device),
@@ -167,7 +167,7 @@ class GroupsInFlight:
                 "rollout/continued_frac": spanning / max(count, 1),
                 "rollout/requests_continued_frac": continued_sum / max(requested, 1),
                 "perf/rollout_low_busy_frac": low_sum / seconds if seconds else 0.0,  # a timing: no two runs share it
-                "rollout/groups_in_flight": all_reduce_sum([len(self.groups)], device)[0]}
+                "rollout/groups_in_flight": in_flight}
 
     def rank_state_dict(self) -> dict:
         """This rank's groups, their responses so far included (a file per rank in the training state)."""

@@ -63,6 +63,7 @@ class Rollouts:
         self.sampler = PromptSampler(train_rows, args.prompts_per_step // placement.world, placement.rank,
                                      placement.world, args.seed)
         self.version = start_step  # the policy's version: updates made
+        self.in_flight = None  # --partial-rollouts, colocated: this rank's groups kept across steps (partial.py)
         use_packed_attention(policy, device)  # training runs on packed rows
 
     def start(self) -> dict[str, float]:
@@ -99,11 +100,10 @@ class Rollouts:
 
     def rank_state_dict(self) -> dict | None:
         """What this rank alone holds, saved in a file of its own: the groups in flight (--partial-rollouts)."""
-        in_flight = getattr(self, "in_flight", None)
-        return in_flight.rank_state_dict() if in_flight else None
+        return self.in_flight.rank_state_dict() if self.in_flight else None
 
     def load_rank_state_dict(self, state: dict | None, saved: list[dict]) -> None:
-        if getattr(self, "in_flight", None):  # (the rollout ranks of split placement hold theirs: not saved)
+        if self.in_flight:  # (the rollout ranks of split placement hold theirs: not saved)
             self.in_flight.load_rank_state_dict(state, saved)
 
 
@@ -135,7 +135,6 @@ class ColocatedRollouts(Rollouts):
                 f"{args.rollout_gpu_memory:.0%} of the GPU"
             logger.print(f"vLLM: {memory}, sleep level {self.engine.sleep_level}")
         self.synced_version = -1  # the policy version the engine holds
-        # --partial-rollouts: groups kept across steps, their responses continued (common/rollout/partial.py)
         self.in_flight = GroupsInFlight(args, self.sampler.prompts_per_rank, placement.rank, start_step) \
             if args.partial_rollouts else None
         self._sleep()  # until the first rollout: loading a training state needs the memory
