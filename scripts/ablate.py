@@ -36,10 +36,20 @@ def parse_args(argv=None):
     p.add_argument("--stagger", type=float, default=20.0, help="seconds between two starts")
     p.add_argument("--deadline", type=float, default=None, help="seconds after which running runs are stopped")
     p.add_argument("--last", type=int, default=10, help="the training reward is averaged over this many last steps")
+    p.add_argument("--nproc", action="append", default=[], metavar="NAME=N",
+                   help="processes (GPUs) of a variant's runs, e.g. split placement's async=2 (default 1)")
+    p.add_argument("--gpus", default=None, help="GPUs to share out, e.g. 0,1: each one-process run gets the next one "
+                   "in turn, a run of N processes the first N (default: what CUDA_VISIBLE_DEVICES gives)")
     args = p.parse_args(argv)
     args.variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant)
     if len(args.variants) != len(args.variant):
         p.error("two --variant share a name")
+    try:
+        args.nproc = {name: int(n) for name, n in (v.split("=", 1) for v in args.nproc)}
+    except ValueError:
+        p.error(f"--nproc takes NAME=N, got {args.nproc}")
+    if set(args.nproc) - set(args.variants):
+        p.error(f"--nproc names no variant: {sorted(set(args.nproc) - set(args.variants))}")
     return args
 
 
@@ -81,16 +91,24 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     pending, running, tries, start = list(jobs), {}, {}, time.time()
 
+    gpus, launched = args.gpus.split(",") if args.gpus else None, 0
+
     def launch(name: str, seed: int) -> None:
-        run_dir = os.path.join(args.out, f"{name}_s{seed}")
+        nonlocal launched
+        run_dir, nproc = os.path.join(args.out, f"{name}_s{seed}"), args.nproc.get(name, 1)
         # --standalone: torchrun takes a free port, so runs here and anything else on the machine never collide
-        command = ["torchrun", "--standalone", "--nproc_per_node", "1", os.path.join(ROOT, base[0]),
+        command = ["torchrun", "--standalone", "--nproc_per_node", str(nproc), os.path.join(ROOT, base[0]),
                    *base[1:], *shlex.split(args.variants[name]), "--seed", str(seed), "--output-dir", run_dir,
                    "--resume", "none", "--overwrite"]
+        run_env = dict(env)
+        if gpus:
+            run_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[:nproc] if nproc > 1 else [gpus[launched % len(gpus)]])
+            launched += nproc == 1
         tries[(name, seed)] = tries.get((name, seed), 0) + 1
         log = open(os.path.join(args.out, f"{name}_s{seed}.log"), "a")
-        print(f"start {name} seed {seed} (try {tries[(name, seed)]}): {shlex.join(command)}", flush=True)
-        running[(name, seed)] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        print(f"start {name} seed {seed} (try {tries[(name, seed)]}, GPUs {run_env.get('CUDA_VISIBLE_DEVICES', '-')}): "
+              f"{shlex.join(command)}", flush=True)
+        running[(name, seed)] = subprocess.Popen(command, env=run_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     last_start, stopping = 0.0, False
     while pending or running:

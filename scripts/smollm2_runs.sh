@@ -21,6 +21,10 @@
 #                      1e-4 and 3e-4 (VARIANTS, default "full lora-1e-4 lora-3e-4"; lora-LR for another lr), seeds 1
 #                      and 2 (SEEDS), PARALLEL at once on one GPU, all in micro-batches of 8k tokens (the same update
 #                      as 16k's in about half the memory, so that more runs share a GPU)
+#   async-curves       scripts/ablate.py: grpo-addition (TASK=gsm8k: grpo-gsm8k) synchronous, with --partial-rollouts,
+#                      and fully async (split placement, --async-rollout --partial-rollouts: in-flight updates, 2
+#                      GPUs), --max-staleness 2, seeds 1 and 2 (SEEDS), all at once on GPUS (default 0,1); then
+#                      OUT/curves.png, the held-out accuracy of every run against the step
 #   lora-dpo-hh        dpo-hh with LoRA rank 32 (lr 5e-5, 10x dpo-hh's); dpo-hh itself is the full fine-tuning run
 #   calculator-warmup  dpo.py on scripts/make_multiplication.py's pairs (a calculator call over a wrong direct answer,
 #                      1,024 pairs, 64 held out, one epoch, --sft-weight 1): SmolLM2 never calls a tool by itself
@@ -46,6 +50,8 @@ addition=(--model "$model" --dataset "$data/addition/train.jsonl" --prompt-key q
           --reward-fn gsm8k --eval-size 128 --max-response-len 512 --eval-every 10)
 gsm8k_template="{prompt}
 Let's think step by step and output the final answer after \"####\"."
+gsm8k=(--model "$model" --dataset "$data/gsm8k/train.jsonl" --prompt-key question --answer-key answer --reward-fn gsm8k
+       --eval-size 128 --prompt-template "$gsm8k_template" --max-response-len 512)
 hh="$data/hh-rlhf/harmless-base-test.jsonl.gz"
 multiplication=(--model "$model" --dataset /tmp/multiplication.jsonl --prompt-key question --answer-key answer
                 --reward-fn gsm8k --eval-size 128 --max-response-len 256 --eval-every 10 --prompts-per-step 32
@@ -54,9 +60,7 @@ run=(torchrun --nproc_per_node "${NPROC:-1}" --master-port "${PORT:-29500}")
 case $recipe in
   grpo-addition) exec "${run[@]}" grpo.py "${addition[@]}" --prompts-per-step 32 --group-size 8 \
                    --lr 1e-5 --steps 30 --output-dir "$out" "$@" ;;
-  grpo-gsm8k) exec "${run[@]}" grpo.py --model "$model" --dataset "$data/gsm8k/train.jsonl" \
-                   --prompt-key question --answer-key answer --reward-fn gsm8k --eval-size 128 \
-                   --prompt-template "$gsm8k_template" --max-response-len 512 --prompts-per-step 32 --group-size 8 \
+  grpo-gsm8k) exec "${run[@]}" grpo.py "${gsm8k[@]}" --prompts-per-step 32 --group-size 8 \
                    --lr 1e-5 --steps 30 --eval-every 10 --output-dir "$out" "$@" ;;
   ppo-addition) exec "${run[@]}" ppo.py "${addition[@]}" --prompts-per-step 64 --group-size 4 \
                    --lr 1e-5 --steps 60 --output-dir "$out" "$@" ;;
@@ -79,6 +83,17 @@ case $recipe in
              exec python scripts/ablate.py --out "$out" --seeds ${SEEDS:-1 2} --parallel "${PARALLEL:-6}" --base \
                    "grpo.py $(printf '%q ' "${addition[@]}") --prompts-per-step 32 --group-size 8 --steps 30 \
                    --rollout-gpu-memory 4 --rollout-eager --max-tokens-per-micro-batch 8192" "${variants[@]}" "$@" ;;
+  async-curves) task=("${addition[@]}"); [ "${TASK:-addition}" = gsm8k ] && task=("${gsm8k[@]}")
+                base=$(python3 -c 'import shlex, sys; print(shlex.join(sys.argv[1:]))' grpo.py "${task[@]}" \
+                   --prompts-per-step 32 --group-size 8 --lr 1e-5 --steps 30 --eval-every 5 --rollout-gpu-memory 4 \
+                   --rollout-eager)
+                python scripts/ablate.py --out "$out" --seeds ${SEEDS:-1 2} --parallel "${PARALLEL:-6}" \
+                   --gpus "${GPUS:-0,1}" --base "$base" --variant sync= \
+                   --variant partial="--partial-rollouts --max-staleness 2" \
+                   --variant async="--rollout-ranks 1 --async-rollout --partial-rollouts --max-staleness 2" \
+                   --nproc async=2 "$@"
+                runs=(); for d in "$out"/*_s[0-9]*; do [ -d "$d" ] && runs+=("$d"); done
+                exec python scripts/plot.py "${runs[@]}" --metrics eval/accuracy reward/mean --out "$out/curves.png" ;;
   lora-dpo-hh) exec "${run[@]}" dpo.py --model "$model" --dataset "$hh" --eval-size 312 --lr 5e-5 --lora-rank 32 \
                    --beta 0.1 --pairs-per-step 32 --max-len 1024 --eval-every 10 --output-dir "$out" "$@" ;;
   calculator-warmup) python scripts/make_multiplication.py pairs --rows 1024 --out /tmp/calculator_pairs.jsonl

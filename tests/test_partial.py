@@ -130,36 +130,46 @@ def test_partial_run_keeps_staleness_and_resumes_exactly(tmp_path):
     assert all(r["rollout/sample_age_max"] <= 2 for r in metric_rows(one_rank) if r["step"] > 4)
 
 
-def test_partial_rollouts_learn_the_builtin_task_as_fast_as_synchronous(builtin_sync_run, tmp_path):
-    """The README's first command with --partial-rollouts reaches the synchronous run's final held-out accuracy
-    (less 0.02, about one standard error of an accuracy near 0.93 on the held-out prompts) within 1.2x its 200
-    steps."""
+@pytest.mark.parametrize("placement", ["colocated", "split in-flight"])
+def test_partial_rollouts_learn_the_builtin_task_as_fast_as_synchronous(builtin_sync_run, tmp_path, placement):
+    """The README's first command with --partial-rollouts (colocated on its 2 ranks, or 2 trainers and a rollout
+    rank with in-flight updates) reaches the synchronous run's final held-out accuracy (less 0.02, about one standard
+    error of an accuracy near 0.93 on the held-out prompts) within 1.2x its 200 steps."""
     sync, sync_dir = builtin_sync_run
     target = float(re.search(r"-> ([\d.]+) after", sync.stdout + sync.stderr).group(1))
-    result = torchrun(["--partial-rollouts", "--steps", "240", "--output-dir", str(tmp_path / "run")], tmp_path,
-                      timeout=900)
+    split = ["--rollout-ranks", "1", "--async-rollout", "--max-staleness", "2"] if placement != "colocated" else []
+    result = torchrun(["--partial-rollouts", *split, "--steps", "240", "--output-dir", str(tmp_path / "run")],
+                      tmp_path, nproc=3 if split else 2, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     accuracies = [json.loads(line).get("eval/accuracy") for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert max(a for a in accuracies if a is not None) >= target - 0.02, (target, accuracies)
 
 
-def test_split_partial_run_keeps_staleness_across_a_resume(tmp_path):
-    """--rollout-ranks 1 --partial-rollouts (2 trainers, 1 rollout rank, synchronous): responses are continued across
-    phases on the rollout rank, no trained sample is older than --max-staleness, also after the run is killed right
-    after the state of step 4 and resumed (the rollout rank does not save what it had in flight: the resumed run
-    admits from its data position again)."""
+@pytest.mark.parametrize("mode", ["synchronous", "in-flight"])
+def test_split_partial_run_keeps_staleness_across_a_resume(tmp_path, mode):
+    """--partial-rollouts in split placement (2 trainers; 1 rollout rank, synchronous, or 2 with --async-rollout's
+    in-flight updates): responses are continued across phases (and across updates) on the rollout ranks, no trained
+    sample is older than --max-staleness, evaluations come at their steps, also after the run is killed right after
+    the state of step 4 and resumed (the rollout ranks do not save what they had in flight: the resumed run admits
+    from its data position again)."""
     save_random_model("tiny", str(tmp_path / "model"), stop_every=4)
-    args = [*PARTIAL, "--model", str(tmp_path / "model"), "--rollout-ranks", "1", "--steps", "7", "--eval-every", "0",
-            "--save-state-every", "2", "--output-dir", str(tmp_path / "run")]
-    crashed = torchrun(args, tmp_path, nproc=3, env={"NANORL_TEST_CRASH": "after_state:4"})
+    rollout_ranks = 2 if mode == "in-flight" else 1
+    args = [*PARTIAL, "--model", str(tmp_path / "model"), "--rollout-ranks", str(rollout_ranks), "--steps", "7",
+            "--eval-every", "3", "--save-state-every", "2", "--output-dir", str(tmp_path / "run"),
+            *(["--async-rollout"] if mode == "in-flight" else [])]
+    crashed = torchrun(args, tmp_path, nproc=2 + rollout_ranks, env={"NANORL_TEST_CRASH": "after_state:4"})
     assert crashed.returncode != 0
-    result = torchrun(args, tmp_path, nproc=3)
+    result = torchrun(args, tmp_path, nproc=2 + rollout_ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 4" in result.stdout + result.stderr
-    steps = [r for r in metric_rows(tmp_path / "run") if r["step"] > 0]
+    rows = metric_rows(tmp_path / "run")
+    steps = [r for r in rows if "rollout/sample_age_max" in r]
     assert [r["step"] for r in steps][-3:] == [5, 6, 7]
     assert all(r["rollout/sample_age_max"] <= 2 and r["rollout/staleness_max"] <= 2 for r in steps)
     assert max(r["rollout/continued_frac"] for r in steps) > 0
+    assert sorted(r["eval/version"] for r in rows if "eval/version" in r) == [0, 3, 6, 7]  # each due, once
+    if mode == "in-flight":
+        assert sum(r["rollout/weight_loads"] for r in steps) > 0
 
 
 @pytest.mark.faults  # a signal to the whole launch: the fault-tolerance step (pytest.ini)
@@ -232,32 +242,35 @@ def phases_newest_first(rank: int, port: int, out_dir: str):
 
     init_gloo(rank, 1, port)
     ages = {}
-    for staleness in (0, 1, 2, 3):
+    for staleness, in_flight in [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]:
         for batch in (1, 3):
             args = SimpleNamespace(max_staleness=staleness, group_size=2, max_response_len=16, seed=0, temperature=1.0,
                                    top_p=1.0, steps=20)
             groups, prompts = GroupsInFlight(args, batch, rank=0), Prompts()
             for step in range(1, 21):
+                # in-flight updates: the phase starts a version behind the trainers and gets theirs after one request
+                weights = Versions(max(0, step - 2), [2] if step > 1 else []) if in_flight else None
                 samples, metrics, _ = groups.next_batch(NewestFirst(), Scorer(), Tokenizer(), prompts, step,
-                                                        torch.device("cpu"))
+                                                        torch.device("cpu"), weights)
                 assert len(samples) == 2 * batch
-                ages[staleness, batch, step] = metrics["rollout/sample_age_max"]
-            ages[staleness, batch, "left"] = len(groups.groups)
+                ages[staleness, in_flight, batch, step] = metrics["rollout/sample_age_max"]
+            ages[staleness, in_flight, batch, "left"] = len(groups.groups)
     torch.save(ages, f"{out_dir}/ages.pt")
     finish_gloo()
 
 
 def test_young_groups_finishing_first_never_leave_old_ones_past_their_deadline(tmp_path):
     """Groups end newest first: every step still trains a full batch, no sample is older than --max-staleness (and
-    with 2 or more, some reach it), and nothing is admitted that the run's last step would not train."""
+    some reach it), and nothing is admitted that the run's last step would not train; also with in-flight updates
+    (each phase starts a version behind the trainers and takes their newest version during the phase)."""
     import launcher
     from gloo import free_port
     launcher.spawn(phases_newest_first, args=(free_port(), str(tmp_path)), nprocs=1)
     ages = torch.load(tmp_path / "ages.pt")
-    for staleness in (0, 1, 2, 3):
+    for staleness, in_flight in [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]:
         for batch in (1, 3):
-            assert max(ages[staleness, batch, step] for step in range(1, 21)) == staleness
-            assert ages[staleness, batch, "left"] == 0
+            assert max(ages[staleness, in_flight, batch, step] for step in range(1, 21)) == staleness
+            assert ages[staleness, in_flight, batch, "left"] == 0
 
 
 def test_ppo_runs_partial_rollouts_with_each_correction(tmp_path):
@@ -271,3 +284,96 @@ def test_ppo_runs_partial_rollouts_with_each_correction(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         steps = [r for r in metric_rows(out) if r["step"] > 0]
         assert len(steps) == 4 and all(r["rollout/sample_age_max"] <= 2 and "tis/weight_mean" in r for r in steps)
+
+
+class Versions:
+    """In-flight updates as GroupsInFlight sees them: version `start`, then one more after each number of calls of
+    waiting() in `arrivals`, counted from the last load (the HF engine asks once before its first decode step, then
+    after each); load() may change the model's weights."""
+
+    def __init__(self, start: int, arrivals: list[int], change=None):
+        self.version, self.arrivals, self.change, self.calls = start, list(arrivals), change, 0
+
+    def waiting(self) -> bool:
+        self.calls += 1
+        return bool(self.arrivals) and self.calls >= self.arrivals[0]
+
+    def load(self) -> int:
+        self.arrivals.pop(0)
+        self.version, self.calls = self.version + 1, 0
+        if self.change is not None:
+            self.change()
+        return self.version
+
+
+def phases_with_versions_in_flight(rank: int, port: int, out_dir: str):
+    from types import SimpleNamespace
+
+    from common.rollout.partial import GroupsInFlight
+    from gloo import finish_gloo, init_gloo
+
+    class Prompts:
+        drawn = 0
+
+        def next_batch(self):
+            self.drawn += 1
+            return [dict(prompt_ids=[5 + self.drawn, 7, 8 + i], prompt=f"p{self.drawn}/{i}", answer="a")
+                    for i in range(2)]
+
+    class Scorer:
+        keys = []
+
+        def submit(self, key, prompts, texts, answers):
+            self.keys.append(key)
+
+        def collect(self):
+            keys, self.keys = self.keys, []
+            return [[0.0, 1.0] for _ in keys], 0
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+
+    init_gloo(rank, 1, port)
+    args = SimpleNamespace(max_staleness=3, group_size=2, max_response_len=12, seed=0, temperature=1.0, top_p=0.9,
+                           steps=20)
+    model = tiny_model().eval()
+    runs = {}
+    for name, arrivals, change in [("none", [], None), ("same", [3, 3], None),
+                                   ("changed", [4], lambda: torch.nn.init.normal_(model.lm_head.weight, std=2.0))]:
+        torch.manual_seed(0)
+        model.load_state_dict(tiny_model().state_dict())
+        engine = HFRolloutEngine(model, stop_token_ids=[2], pad_token_id=0)
+        groups = GroupsInFlight(args, 2, rank=0)
+        runs[name] = groups.next_batch(engine, Scorer(), Tokenizer(), Prompts(), 3, torch.device("cpu"),
+                                       Versions(0, arrivals, change))[:2]
+    torch.save(runs, f"{out_dir}/runs.pt")
+    finish_gloo()
+
+
+def test_versions_loaded_in_flight_cut_the_running_responses_and_continue_them():
+    """A phase (step 3, starting from version 0, --max-staleness 3) whose trainer sends two versions, after 2 decode
+    steps and 2 more, with unchanged weights: the responses, cut at each and continued (re-prefilled), equal those of the
+    same phase without updates, tokens and log-probs; each response's versions add up to its tokens, start at 0 and
+    rise. With the weights changed at the update, the tokens before it are still the phase's without updates."""
+    import tempfile
+
+    import launcher
+    from gloo import free_port
+    with tempfile.TemporaryDirectory() as out:
+        launcher.spawn(phases_with_versions_in_flight, args=(free_port(), out), nprocs=1)
+        runs = torch.load(f"{out}/runs.pt")
+    (none, none_metrics), (same, same_metrics), (changed, changed_metrics) = runs["none"], runs["same"], runs["changed"]
+    assert none_metrics["rollout/weight_loads"] == 0 and same_metrics["rollout/weight_loads"] == 2
+    assert len(same) == len(none) == 4
+    for a, b in zip(none, same):
+        assert a["response_ids"] == b["response_ids"]
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=1e-5)
+        assert sum(n for _, n in b["versions"]) == len(b["response_ids"]) and b["versions"][0][0] == 0 == b["version"]
+        assert [v for v, _ in b["versions"]] == sorted({v for v, _ in b["versions"]})
+    assert any(len(b["versions"]) == 3 for b in same)  # some ran through both updates
+    assert changed_metrics["rollout/weight_loads"] == 1
+    for a, b in zip(none, changed):
+        before = b["versions"][0][1]  # the tokens generated before the update
+        assert b["versions"][0][0] == 0 and b["response_ids"][:before] == a["response_ids"][:before]
+    assert any(a["response_ids"] != b["response_ids"] for a, b in zip(none, changed))

@@ -248,6 +248,7 @@ def test_staleness_two_resume_and_switching_placement(tmp_path):
 # Where a stop signal arrives (NANORL_TEST_SIGNAL, common.run.signals.signal_point): the stage a process enters at a
 # step, and whether every process of the launch gets SIGTERM (as under Slurm) or only the one that got there; then
 # the flags that differ from an async run of 6 steps with one rollout rank.
+IN_FLIGHT = ["--partial-rollouts", "--max-staleness", "2", "--max-response-len", "8"]
 STOP_MOMENTS = {
     "during generation": ("generate:3", []),  # on the rollout rank; the trainers train batch 2 or wait for batch 3
     "while the trainers wait for a batch": ("rollout_wait:3", []),
@@ -259,6 +260,11 @@ STOP_MOMENTS = {
     "one step before the end": ("update:5", []),  # the rollout rank already has what its last batch needs
     "two before the end, staleness 2": ("update:4", ["--max-staleness", "2"]),
     "synchronous": ("update:3", ["--no-async-rollout"]),
+    # in-flight updates (--partial-rollouts): the rollout rank may be between two engine steps, taking a version
+    "in-flight, during generation": ("generate:3", IN_FLIGHT),
+    "in-flight, during an update": ("update:3", IN_FLIGHT),
+    "in-flight, during a weight push": ("sync:3:rank=0", IN_FLIGHT),
+    "in-flight, on the rollout rank alone": ("generate:3:self", IN_FLIGHT),
 }
 
 

@@ -73,16 +73,18 @@ class RolloutArgs:
     trainers stream new weights to them after each update. 0: every rank trains and generates (colocated)"""
     async_rollout: bool = False
     """with --rollout-ranks: generate the next batch while the trainers train on this one (one update behind; GRPO
-    and PPO correct it with --tis-cap)"""
+    and PPO correct it with --tis-cap); with --partial-rollouts too, the rollout ranks also take each new version
+    between two engine steps, without waiting for their running responses (in-flight updates)"""
     max_staleness: int = 1
     """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be; with
     --partial-rollouts: how many updates behind the trainer a trained sample's first token may be (prompts are
-    admitted only while that holds, so up to 1 + this many batches of prompts are in flight)"""
+    admitted only while that holds, so up to 1 + this many batches of prompts are in flight; with in-flight updates
+    one of them is the batch generated ahead, so responses continue across phases from 2 on)"""
     partial_rollouts: bool = False
     """a rollout ends once it holds the step's complete groups, not when its longest response ends: the responses
     still running are kept with their tokens and log-probs and continued after the next weight sync, new prompts
-    admitted within --max-staleness (colocated, or on --rollout-ranks without --async-rollout;
-    common/rollout/partial.py). GRPO and PPO correct for the older tokens with --tis-cap"""
+    admitted within --max-staleness (colocated or on --rollout-ranks; common/rollout/partial.py). GRPO and PPO
+    correct for the older tokens with --tis-cap"""
     env: str | None = None
     """multi-turn episodes: path/to/env.py:make_env (an environment per episode, built from its dataset row; the
     protocol is in common/rollout/environments.py) or lookup (the built-in task with its largest number hidden behind a
@@ -151,12 +153,12 @@ def check_rollout_args(args, num_trainers: int) -> None:
         raise ValueError("--partial-rollouts trains responses sampled by older weights, which needs a loss with "
                          "importance weights: grpo.py or ppo.py")
     if args.partial_rollouts:
-        not_yet = [flag for flag, on in [("--async-rollout", args.async_rollout), ("--env / --tools", wants_episodes(args)),
+        not_yet = [flag for flag, on in [("--env / --tools", wants_episodes(args)),
                                          ("--rollout-tp above 1", args.rollout_tp > 1),
                                          ("--routing-replay", getattr(args, "routing_replay", False))] if on]
         if not_yet:
-            raise ValueError(f"--partial-rollouts works colocated or with synchronous --rollout-ranks, one rollout "
-                             f"replica per rank, single-turn: not yet with {', '.join(not_yet)}")
+            raise ValueError(f"--partial-rollouts works colocated or with --rollout-ranks, one rollout replica per "
+                             f"rank, single-turn: not yet with {', '.join(not_yet)}")
     if args.check_weight_sync and args.rollout_ranks:
         raise ValueError("--check-weight-sync compares a colocated engine's weights with the trainer's on the same "
                          "rank; with --rollout-ranks no rank holds both (check a colocated run of the same model)")

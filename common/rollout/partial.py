@@ -45,7 +45,8 @@ class Response:
 class Group:
     key: int  # admission order on this rank
     row: dict  # the prompt
-    admitted: int  # the step whose phase admitted it: trained by admitted + max_staleness at the latest
+    admitted: int  # the first step that trains with the weights that admitted it (synchronously: the step whose phase
+    # admitted it; with in-flight updates that version + 1): trained by admitted + max_staleness at the latest
     responses: list[Response]
     rewards: list[float] | None = None
 
@@ -74,13 +75,16 @@ class GroupsInFlight:
     def deadline(self, group: Group) -> int:
         return group.admitted + self.args.max_staleness
 
-    def admit(self, sampler, step: int, device) -> None:
-        """Collective (every rank draws the same batches: the sampler's position is global): new batches while at
-        most 1 + --max-staleness are in flight, and no more than the steps left to the run will train."""
-        room = min(1 + self.args.max_staleness, self.args.steps - step + 1) * self.prompts_per_rank
+    def admit(self, sampler, step: int, version: int, device) -> None:
+        """Collective (every rank draws the same batches: the sampler's position is global): new batches while every
+        group in flight can be trained by the deadline of one admitted now under weights `version` (version + 1 +
+        --max-staleness: synchronously step + max_staleness, so 1 + max_staleness batches), and no more than the
+        steps left to the run will train."""
+        first = version + 1  # the first step that trains with this version's weights
+        room = min(first + self.args.max_staleness - step + 1, self.args.steps - step + 1) * self.prompts_per_rank
         while max_over_ranks(len(self.groups), device) + self.prompts_per_rank <= room:
             for row in sampler.next_batch():
-                self.groups.append(Group(self.next_key, row, step, [Response() for _ in range(self.args.group_size)]))
+                self.groups.append(Group(self.next_key, row, first, [Response() for _ in range(self.args.group_size)]))
                 self.next_key += 1
 
     def batch(self) -> list[Group]:
@@ -97,26 +101,25 @@ class GroupsInFlight:
         return len(batch) == self.prompts_per_rank and \
             self.trainable([self.deadline(g) for g in self.groups if g.key not in batch], step)
 
-    def next_batch(self, engine, scorer, tokenizer, sampler, step: int, device) -> tuple[list[dict], dict, int]:
-        """Collective (admission, rewards, metrics): one phase with the engine's weights of version step - 1; this
-        rank's batch of samples, prompt-major, the phase's metrics, and this rank's reward calls that timed out."""
-        args, version = self.args, step - 1
-        self.admit(sampler, step, device)
-        requests, scored = [], []
-        for g in self.groups:
-            for i, r in enumerate(g.responses):
-                if not r.done:
-                    requests.append(Request((g.key, i), g.row["prompt_ids"] + r.response_ids,
-                                            args.max_response_len - len(r.response_ids),
-                                            seed=request_seed(args.seed, self.rank, f"{g.key}/{i}"),
-                                            position=len(r.response_ids)))
-        by_key, continued = {g.key: g for g in self.groups}, sum(r.position > 0 for r in requests)
+    def next_batch(self, engine, scorer, tokenizer, sampler, step: int, device,
+                   weights=None) -> tuple[list[dict], dict, int]:
+        """Collective (admission, rewards, metrics): one phase; this rank's batch of samples for `step`, prompt-major,
+        the phase's metrics, and this rank's reward calls that timed out. The engine holds version step - 1, or with
+        `weights` (in-flight updates, split placement: an `InFlightWeights` of common/rollout/serve.py) the version
+        weights.version, and loads each newer one the trainers announce between engine steps: the running responses
+        are cut there and continued under the new weights (re-prefilled: no KV of older weights mixes in)."""
+        args = self.args
+        version = step - 1 if weights is None else weights.version
+        self.admit(sampler, step, version, device)
+        by_key, scored, busy, loads = {g.key: g for g in self.groups}, [], [], 0
 
         def add(key, completion: Completion, done: bool) -> None:
             group, response = by_key[key[0]], by_key[key[0]].responses[key[1]]
             response.response_ids += completion.response_ids
             response.logprobs += completion.logprobs  # asked for below
-            if completion.response_ids:
+            if completion.response_ids and response.versions and response.versions[-1][0] == version:
+                response.versions[-1][1] += len(completion.response_ids)
+            elif completion.response_ids:
                 response.versions.append([version, len(completion.response_ids)])
             response.finished, response.done = completion.finished, done
             if done and group.complete:  # scored while the others generate
@@ -124,12 +127,21 @@ class GroupsInFlight:
                 scorer.submit(group.key, [group.row["prompt"]] * len(texts), texts, [group.row["answer"]] * len(texts))
                 scored.append(group.key)
 
-        # Every rank calls it, even with nothing to generate: the HF engine's FSDP forward passes are collective.
-        cut, busy = engine.generate_until(requests, args.temperature, args.top_p,
-                                          on_finish=lambda key, c: add(key, c, done=True),
-                                          stop=lambda: self.phase_over(step), logprobs=True)
-        for key, completion in cut.items():
-            add(key, completion, done=False)
+        requests = self.requests()
+        counted, continued = len(requests), sum(r.position > 0 for r in requests)
+        while True:
+            # Every rank calls it, even with nothing to generate: the HF engine's FSDP forward passes are collective.
+            started = busy[-1][0] if busy else 0.0
+            cut, part_busy = engine.generate_until(
+                requests, args.temperature, args.top_p, on_finish=lambda key, c: add(key, c, done=True),
+                stop=lambda: self.phase_over(step) or (weights is not None and weights.waiting()), logprobs=True)
+            for key, completion in cut.items():
+                add(key, completion, done=False)
+            busy += [(started + t, n) for t, n in part_busy]
+            if weights is None or not max_over_ranks(float(weights.waiting()), device):
+                break  # (in-flight: no rank cut its generation for new weights, so every rank's phase is over)
+            version, loads = weights.load(), loads + 1  # every rank, one version (the trainers broadcast it)
+            requests = [] if self.phase_over(step) else self.requests()
         rewards, timeouts = collect_rewards(scorer)  # every rank: by key, as scored
         for key, group_rewards in zip(sorted(scored), rewards):
             by_key[key].rewards = group_rewards
@@ -140,7 +152,18 @@ class GroupsInFlight:
                         finished=r.finished, reward=reward, version=r.versions[0][0] if r.versions else version,
                         versions=r.versions)
                    for g in batch for r, reward in zip(g.responses, g.rewards)]
-        return samples, self.metrics(samples, version, len(requests), continued, busy, device), timeouts
+        metrics = self.metrics(samples, step - 1, counted, continued, busy, device)
+        if weights is not None:
+            metrics["rollout/weight_loads"] = loads
+        return samples, metrics, timeouts
+
+    def requests(self) -> list[Request]:
+        """A request for every unfinished response: a new one from its prompt, a cut one from its prompt and its
+        tokens so far, with what is left of its budget."""
+        args = self.args
+        return [Request((g.key, i), g.row["prompt_ids"] + r.response_ids, args.max_response_len - len(r.response_ids),
+                        seed=request_seed(args.seed, self.rank, f"{g.key}/{i}"), position=len(r.response_ids))
+                for g in self.groups for i, r in enumerate(g.responses) if not r.done]
 
     def metrics(self, samples: list[dict], trainer_version: int, requests: int, continued: int, busy, device) -> dict:
         """Collective: how old the trained samples and tokens are (updates behind the trainer; a sample's age is its

@@ -29,8 +29,8 @@ from common.rollout.episodes import MultiTurn
 from common.rollout.generate import episode_metrics, evaluate, sample_batch, scored_samples
 from common.rollout.partial import GroupsInFlight, low_busy_seconds
 from common.rollout.rewards import RewardScorer
-from common.rollout.split import (check_shapes, close_link, recv_object, send_header, send_weights, staleness_metrics,
-                                  stop_rollout_ranks, weight_versions)
+from common.rollout.split import (check_shapes, close_link, generation_lag, in_flight_updates, recv_object,
+                                  send_header, send_weights, staleness_metrics, stop_rollout_ranks, weight_versions)
 from common.run.distributed import all_reduce_sum, max_over_ranks
 from common.run.perf import memory_in_use
 from common.run.signals import install_stop_handlers, request_stop
@@ -218,11 +218,13 @@ class SplitRollouts(Rollouts):
                  logger, timer):
         super().__init__(args, placement, policy, tokenizer, train_rows, eval_rows, device, output_dir, start_step,
                          logger, timer)
+        in_flight = in_flight_updates(args)
         logger.print(f"split placement: {placement.num_trainers} training ranks, {placement.num_rollout} rollout "
-                     f"ranks" + (f", async (max staleness {args.max_staleness})"
-                                 if args.async_rollout else ", synchronous"))
-        self.staleness = args.max_staleness if args.async_rollout else 0  # of the versions batches are generated with
-        self.versions_to_send = set(weight_versions(start_step, args.steps, self.staleness, args.eval_every))
+                     f"ranks" + (", in-flight weight updates" if in_flight else
+                                 f", async (max staleness {args.max_staleness})" if args.async_rollout
+                                 else ", synchronous"))
+        self.versions_to_send = set(weight_versions(start_step, args.steps, generation_lag(args), args.eval_every,
+                                                    in_flight))
         # How old a trained sample's first token may be: with --partial-rollouts its group waits up to --max-staleness
         self.max_lag = args.max_staleness if args.async_rollout or args.partial_rollouts else 0
         self.link_dtype = compute_dtype(args.precision) if args.rollout_engine == "vllm" else torch.float32

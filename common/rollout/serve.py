@@ -14,8 +14,8 @@ from common.rollout.episodes import MultiTurn
 from common.rollout.generate import evaluate, sample_batch, scored_samples
 from common.rollout.partial import GroupsInFlight
 from common.rollout.rewards import RewardScorer
-from common.rollout.split import (STOP, behaviour_version, close_link, eval_versions, load_into_module, recv_header,
-                                  recv_weights, send_object, weight_versions)
+from common.rollout.split import (STOP, behaviour_version, close_link, eval_versions, generation_lag, in_flight_updates,
+                                  load_into_module, next_header, recv_header, recv_weights, send_object, weight_versions)
 from common.run.distributed import finish_distributed
 from common.run.logger import StageTimer
 from common.run.signals import install_stop_handlers, stop_agreed, stop_requested
@@ -35,7 +35,7 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
     The last message carries the evaluations of the last versions; the trainers save after it. A stop signal (here
     or on the trainers) ends the run early without losing an update (common/rollout/split.py). Ends the process.
     """
-    staleness = args.max_staleness if args.async_rollout else 0
+    in_flight, staleness = in_flight_updates(args), generation_lag(args)
     if start_step >= args.steps:  # resumed at the end: the trainers have nothing to send either
         return finish_distributed(exit_process=True)
     scorer = RewardScorer(args.reward_fn, args.reward_timeout, args.reward_workers)
@@ -49,7 +49,11 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
                                      max_sequences=sequences_at_once(args, placement.world, len(eval_rows)),
                                      record_routes=getattr(args, "routing_replay", False))
         shapes = weight_shapes(meta_model(model_dir))
-        dtype, load, loaded = engine.dtype, engine.vllm_model.load_weights, engine.llm.reset_prefix_cache
+        dtype, load = engine.dtype, engine.vllm_model.load_weights
+
+        def loaded():  # cached prompt KV was computed with the old weights (no request runs here: it cannot fail)
+            if not engine.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM kept its prefix cache after a weight update (a request was still running)")
     else:
         # The HF engine's own model (not sharded: every rollout rank reads it), overwritten by the first version received
         model = load_model(args.model, tokenizer, args.seed, every_rank=True).to(device)
@@ -64,16 +68,19 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
         sampler.next_batch()
     # --partial-rollouts: groups kept across steps here (responses in flight when the run stopped are not saved: a
     # resumed run admits its prompts from the data position of its step again)
-    in_flight = GroupsInFlight(args, sampler.prompts_per_rank, placement.rank, start_step) \
+    groups = GroupsInFlight(args, sampler.prompts_per_rank, placement.rank, start_step) \
         if args.partial_rollouts else None
-    versions = weight_versions(start_step, args.steps, staleness, args.eval_every)
+    versions = weight_versions(start_step, args.steps, staleness, args.eval_every, in_flight)
     to_evaluate = set(eval_versions(start_step, args.steps, args.eval_every))
     held, evals, timer, pending = None, {}, StageTimer(device, args.hang_timeout, output_dir), collections.deque()
+    stopped = False  # the trainers' STOP came while generating (in-flight)
     pending.append(send_object(placement.samples_link, shapes, 0))  # trainer 0 checks them against its own
 
     def receive_through(version: int, evaluating: bool = True) -> bool:
         """Receives every scheduled version up to `version`, evaluating those due. False: STOP came instead."""
         nonlocal held
+        if stopped:
+            return False
         while versions and versions[0] <= version:
             with timer("weights_wait", waits_for_peers=True):  # the trainers' step, or their STOP
                 received = recv_header(placement, device)
@@ -82,13 +89,29 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             assert received == versions.pop(0), f"weight version {received} arrived out of schedule"
             with timer("sync"):
                 recv_weights(placement, shapes, dtype, args.sync_bucket_mb, device, load)
-                loaded()  # vLLM: cached prompt KV was computed with the old weights
+                loaded()
             held = received
             if held in to_evaluate and evaluating:
                 with timer("eval"):
                     evals[held] = evaluate(engine, eval_rows, scorer, multi_turn, tokenizer, args, placement.rank,
                                            placement.world, device)
         return True
+
+    class InFlightWeights:
+        """GroupsInFlight.next_batch's view of the versions the trainers send while a phase generates."""
+        @property
+        def version(self) -> int:
+            return held
+
+        def waiting(self) -> bool:
+            """Trainer 0 is sending a version (not one to evaluate: that waits for the phase's end) or STOP."""
+            header = None if stopped else next_header(placement)
+            return header is not None and (header == STOP or header not in to_evaluate)
+
+        def load(self) -> int:
+            nonlocal stopped
+            stopped = not receive_through(versions[0])
+            return held
 
     def send(message: dict) -> None:
         # A send completes once trainer 0 receives it, and trainer 0 takes batch k only after it has sent the
@@ -106,16 +129,22 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             finished = False
             break
         phase = {}
-        if in_flight is not None:  # a phase that ends once it holds the step's groups (version held = step - 1)
+        if groups is not None:  # a phase that ends once it holds the step's groups
             with timer("generate"):
-                samples, phase, reward_timeouts = in_flight.next_batch(engine, scorer, tokenizer, sampler, step,
-                                                                       device)
+                samples, phase, reward_timeouts = groups.next_batch(engine, scorer, tokenizer, sampler, step, device,
+                                                                    InFlightWeights() if in_flight else None)
         else:
             prompts = sampler.next_batch()
             with timer("generate"):
                 outputs = sample_batch(engine, scorer, multi_turn, tokenizer, prompts, args, step)
             with timer("reward"):  # what scoring adds after generation
                 samples, reward_timeouts = scored_samples(prompts, outputs, scorer, multi_turn, version=held)
+        if in_flight and step - 1 in to_evaluate:  # evaluated before its batch is sent, as synchronously (the
+            stopped = not receive_through(step - 1)  # trainers need the batch only once they have made that version)
+        if stopped:  # the trainers stopped (and saved) while this batch generated: they drop it
+            send({"step": step, "samples": [], "reward_timeouts": 0})
+            finished = False
+            break
         stop = stop_agreed(device)  # collective over the rollout ranks: a signal here makes this batch the last
         send({"step": step, "samples": samples, "reward_timeouts": reward_timeouts, "metrics": phase,
               "stop": stop and (stop_requested() or "a stop signal on another rollout rank")})

@@ -17,6 +17,13 @@ Versions: the weights after k optimizer updates are version k. The batch trained
 with version k - 1 in synchronous mode, and with version max(start, k - 1 - max_staleness) with --async-rollout:
 the rollout ranks generate batch k + 1 while the trainers train on batch k. Both sides compute the same schedule
 of versions the trainers send (`weight_versions`), so every message on the link pairs up without a handshake.
+
+In-flight updates (--async-rollout --partial-rollouts): a rollout phase starts from version max(start, k - 2), one
+batch ahead of the trainers, and takes every newer version as it comes, between two engine steps: trainer 0 counts
+each header in torchrun's store before it broadcasts it, and a rollout rank that sees the count above the headers it
+received cuts its running responses there, joins the broadcast, and continues them under the new weights
+(common/rollout/partial.py). Evaluated versions are taken at a phase's end only (an evaluation needs the engine to
+itself): the trainers wait for that phase.
 """
 
 import pickle
@@ -41,6 +48,8 @@ class Placement:
     num_rollout: int
     samples_link: object = None  # gloo process group: trainer 0 (link rank 0) and rollout rank r (link rank 1 + r)
     weights_link: object = None  # the same members, on the device's backend
+    store: object = None  # torchrun's store (link members): trainer 0 writes each weight header there too
+    headers: int = 0  # the headers trainer 0 has sent, or a rollout rank received
 
     @property
     def on_link(self) -> bool:
@@ -99,6 +108,7 @@ def init_split(num_rollout: int, timeout_minutes: int = 30) -> tuple[Placement, 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     placement = Placement(role, rank, world, num_trainers, num_rollout)
     if global_rank == 0 or role == "rollout":
+        placement.store = store
         link_rank = 0 if role == "train" else 1 + rank
         placement.samples_link = dist.ProcessGroupGloo(dist.PrefixStore("nanorl_link_samples", store), link_rank,
                                                        1 + num_rollout, timeout)
@@ -129,16 +139,31 @@ def behaviour_version(step: int, start_step: int, max_staleness: int) -> int:
     return max(start_step, step - 1 - max_staleness)
 
 
+def in_flight_updates(args) -> bool:
+    """--async-rollout --partial-rollouts: the rollout ranks take new versions between engine steps."""
+    return args.async_rollout and args.partial_rollouts
+
+
+def generation_lag(args) -> int:
+    """How many versions behind the trainers the generation of a batch may start: 0 synchronously, --max-staleness
+    with --async-rollout, 1 with in-flight updates (newer versions then come during the phase)."""
+    return 1 if in_flight_updates(args) else args.max_staleness if args.async_rollout else 0
+
+
 def eval_versions(start_step: int, steps: int, eval_every: int) -> list[int]:
     """Versions evaluated on the held-out prompts: the initial weights of a fresh run, every eval_every, the last."""
     first = [0] if start_step == 0 else []
     return first + [k for k in range(start_step + 1, steps + 1) if eval_every and k % eval_every == 0 or k == steps]
 
 
-def weight_versions(start_step: int, steps: int, max_staleness: int, eval_every: int) -> list[int]:
+def weight_versions(start_step: int, steps: int, max_staleness: int, eval_every: int,
+                    in_flight: bool = False) -> list[int]:
     """Versions the trainers send, in order: the starting weights (the rollout engine holds none of its own), each
-    version a later batch is generated with, and each version to be evaluated."""
+    version a later batch is generated with (in_flight: every version a later batch could use: each one the
+    trainers make before the last), and each version to be evaluated."""
     needed = {behaviour_version(k, start_step, max_staleness) for k in range(start_step + 1, steps + 1)}
+    if in_flight:
+        needed = set(range(start_step, steps))
     return sorted(needed | set(eval_versions(start_step, steps, eval_every)) | {start_step})
 
 
@@ -192,15 +217,25 @@ STOP = -1  # the header that says no more versions come: the trainers have saved
 
 
 def send_header(placement: Placement, version: int, device: torch.device) -> None:
-    """Trainer 0: announces the version whose buckets follow (the receivers check it against their schedule)."""
+    """Trainer 0: announces the version whose buckets follow (the receivers check it against their schedule); it is
+    written in the store first, where rollout ranks that are generating look for it (in-flight updates)."""
     if placement.on_link:
+        placement.store.set(f"nanorl_header_{placement.headers}", str(version))
+        placement.headers += 1
         placement.weights_link.broadcast(torch.tensor([version], dtype=torch.int64, device=device), 0).wait()
 
 
 def recv_header(placement: Placement, device: torch.device) -> int:
     header = torch.zeros(1, dtype=torch.int64, device=device)
     placement.weights_link.broadcast(header, 0).wait()
+    placement.headers += 1
     return int(header.item())
+
+
+def next_header(placement: Placement) -> int | None:
+    """Rollout ranks, without waiting: the header trainer 0 is sending them (a version or STOP), None if none yet."""
+    key = f"nanorl_header_{placement.headers}"
+    return int(placement.store.get(key)) if placement.store.check([key]) else None
 
 
 def stop_rollout_ranks(placement: Placement, device: torch.device) -> None:
@@ -211,6 +246,7 @@ def stop_rollout_ranks(placement: Placement, device: torch.device) -> None:
         return
     # Not waited for yet: a rollout rank may first have to finish sending a batch, which only completes once it is
     # received below.
+    placement.store.set(f"nanorl_header_{placement.headers}", str(STOP))
     header = placement.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64, device=device), 0)
     for r in range(placement.num_rollout):
         while recv_object(placement.samples_link, 1 + r)["step"] not in ("stopped", None):
