@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from common.rollout.sandbox import kill_calls_of
 from common.rollout.tools import run_sandboxed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,9 @@ def test_a_child_holding_stdout_does_not_hold_the_call(marker):
 
 
 def test_a_killed_caller_leaves_nothing(tmp_path, marker):
-    # The environment worker is killed (--env-timeout) in the middle of a call: the call's processes go with it.
+    # The environment worker is killed (--env-timeout) as a call starts (as soon as bwrap runs: before it has set up
+    # its --die-with-parent, which a loaded machine makes likely): the call's processes go with it, by the kill of
+    # its cgroup that follows the worker's (common/rollout/rewards.py's WorkerProcess.kill).
     (tmp_path / "code.py").write_text(f"import os\nos.setsid()\nr, w = os.pipe()\nos.read(r, 1)  # {marker}\n")
     caller = subprocess.Popen(
         [sys.executable, "-c", "import sys; from common.rollout.tools import run_sandboxed; "
@@ -168,6 +171,7 @@ def test_a_killed_caller_leaves_nothing(tmp_path, marker):
     assert processes_with(marker), "the call never started"
     caller.kill()
     caller.wait()
+    kill_calls_of(caller.pid)
     deadline = time.monotonic() + 10
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -24,6 +24,7 @@ import threading
 import time
 
 from common.rollout.reward_fns import load_reward_fn
+from common.rollout.sandbox import kill_calls_of
 from common.run import errors, signals
 
 
@@ -166,6 +167,7 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        kill_calls_of(self.process.pid)  # the python tool's calls it had running (common/rollout/sandbox.py)
         for f in (self.process.stdin, self.process.stdout):
             try:
                 f.close()

@@ -150,14 +150,39 @@ def _cgroup_parents() -> dict[str, Path]:
         parents = _own_cgroups()
     except (OSError, ValueError, IndexError):
         return {}
-    for directory in set(parents.values()):  # left by a killed caller: empty, their processes died with it
+    for directory in set(parents.values()):  # left by a killed caller (whose supervisor did not clean them up)
         for stale in directory.glob("nanorl-sandbox-*"):
             if not Path(f"/proc/{stale.name.split('-')[2]}").exists():
-                try:
-                    stale.rmdir()
-                except OSError:
-                    pass
+                _empty_and_remove(stale)
     return parents
+
+
+def kill_calls_of(pid: int) -> None:
+    """After killing a caller (an environment worker past --env-timeout): its calls' processes, and their cgroups.
+    bwrap's --die-with-parent reaches the sandbox's PID 1 only once bwrap has set it up: a caller killed as a call
+    starts leaves that call running, for as long as it likes, unless its cgroup is emptied here."""
+    for parent in set(_cgroup_parents().values()):
+        for directory in parent.glob(f"nanorl-sandbox-{pid}-*"):
+            _empty_and_remove(directory)
+
+
+def _empty_and_remove(directory: Path) -> None:
+    """Kills every process of a call's cgroup (again, while any is left: they may fork meanwhile) and removes it."""
+    for _ in range(100):
+        try:
+            pids = (directory / "cgroup.procs").read_text().split()
+        except OSError:  # removed already
+            return
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            directory.rmdir()
+            return
+        except OSError:
+            time.sleep(0.01)
 
 
 def memory_cgroup_available() -> bool:
@@ -195,17 +220,7 @@ class _CallCgroup:
 
     def remove(self) -> None:
         for directory in self.directories:
-            for _ in range(100):
-                for pid in (directory / "cgroup.procs").read_text().split():  # none once bwrap has exited
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except OSError:
-                        pass
-                try:
-                    directory.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.01)
+            _empty_and_remove(directory)  # (no process is left once bwrap has exited)
 
 
 # ---------------------------------------------------------------------------------------------------------------
