@@ -20,6 +20,7 @@ import shlex
 import signal
 import statistics
 import subprocess
+import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +98,8 @@ def main() -> None:
         nonlocal launched
         run_dir, nproc = os.path.join(args.out, f"{name}_s{seed}"), args.nproc.get(name, 1)
         # --standalone: torchrun takes a free port, so runs here and anything else on the machine never collide
-        command = ["torchrun", "--standalone", "--nproc_per_node", str(nproc), os.path.join(ROOT, base[0]),
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                   os.path.join(ROOT, base[0]),
                    *base[1:], *shlex.split(args.variants[name]), "--seed", str(seed), "--output-dir", run_dir,
                    "--resume", "none", "--overwrite"]
         run_env = dict(env)

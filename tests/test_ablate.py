@@ -21,11 +21,13 @@ def test_table_means_over_seeds_by_hand():
 
 def test_two_variants_of_the_builtin_run(tmp_path):
     """Two runs at once on the CPU: the table holds what their metrics.jsonl say, and each variant's flags reached
-    its run (its saved arguments hold it)."""
+    its run (its saved arguments hold it), as did its number of processes."""
     out = tmp_path / "abl"
     subprocess.run([sys.executable, "scripts/ablate.py", "--out", str(out), "--base", "grpo.py --steps 2 --eval-every 2",
-                    "--variant", "base=", "--variant", "fast=--lr 1e-3", "--parallel", "2",
+                    "--variant", "base=", "--variant", "fast=--lr 1e-3", "--nproc", "fast=2", "--parallel", "2",
                     "--stagger", "0", "--last", "2"], check=True, timeout=600)
+    assert "health: 1 CPU process" in (out / "base_s1.log").read_text()
+    assert "health: 2 CPU processes" in (out / "fast_s1.log").read_text()
     summary = json.loads((out / "summary.json").read_text())
     for row in summary["table"]:
         rows = [json.loads(line) for line in (out / f"{row['variant']}_s1" / "metrics.jsonl").read_text().splitlines()]

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -108,10 +109,11 @@ def test_colocated_sync_streams_the_same_buckets():
 
 def _link_worker(rank: int, port: int, out_dir: str):
     """Link rank 0 is the trainer, 1 and 2 rollout ranks: objects flow in, weights flow out in buckets."""
-    from common.rollout.split import Placement, recv_header, send_header, send_weights
+    from common.rollout.split import Placement, next_header, recv_header, send_header, send_weights
     init_gloo(rank, 3, port)
     link, weights = dist.new_group([0, 1, 2], backend="gloo"), dist.new_group([0, 1, 2], backend="gloo")
-    placement = Placement("train" if rank == 0 else "rollout", rank, 3, 1, 2, link, weights)
+    placement = Placement("train" if rank == 0 else "rollout", rank, 3, 1, 2, link, weights,
+                          dist.distributed_c10d._get_default_store())
     shapes = [("a", torch.Size([3, 2])), ("b", torch.Size([5])), ("c", torch.Size([2, 2]))]
     cpu = torch.device("cpu")
     if rank == 0:
@@ -123,7 +125,10 @@ def _link_worker(rank: int, port: int, out_dir: str):
     else:
         # The rollout side sends first and receives before its send has completed, as the async loop does.
         pending = send_object(link, {"from": rank, "samples": list(range(rank * 3))}, 0)
+        while (announced := next_header(placement)) is None:  # the store has it before the broadcast starts
+            time.sleep(0.01)
         version = recv_header(placement, cpu)
+        assert announced == version and next_header(placement) is None  # (the next one is not announced yet)
         got, buckets = {}, []
 
         def load(bucket):
