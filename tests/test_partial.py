@@ -291,6 +291,8 @@ class Versions:
     waiting() in `arrivals`, counted from the last load (the HF engine asks once before its first decode step, then
     after each); load() may change the model's weights."""
 
+    stopped = False  # (the trainers' STOP never comes here)
+
     def __init__(self, start: int, arrivals: list[int], change=None):
         self.version, self.arrivals, self.change, self.calls = start, list(arrivals), change, 0
 

@@ -12,7 +12,7 @@ from common.rollout.environments import load_env_factory
 from common.rollout.reward_fns import load_reward_fn
 from common.rollout.tools import check_sandbox, needs_sandbox
 from common.rollout.vllm_memory import check_kv_width
-from common.run.cli import check_ranges
+from common.run.cli import check_ranges, given_on_command_line
 from common.train.model import model_config, pick_precision
 from sharding.vllm_moe import check_moe_mapped
 
@@ -78,8 +78,9 @@ class RolloutArgs:
     max_staleness: int = 1
     """with --async-rollout: how many updates behind the trainer the weights that generated a batch may be; with
     --partial-rollouts: how many updates behind the trainer a trained sample's first token may be (prompts are
-    admitted only while that holds, so up to 1 + this many batches of prompts are in flight; with in-flight updates
-    one of them is the batch generated ahead, so responses continue across phases from 2 on)"""
+    admitted only while that holds, so up to 1 + this many batches of prompts are in flight). With both (in-flight
+    updates) one of them is the batch generated ahead, so responses continue across phases only from 2 on: 2 there
+    unless given"""
     partial_rollouts: bool = False
     """a rollout ends once it holds the step's complete groups, not when its longest response ends: the responses
     still running are kept with their tokens and log-probs and continued after the next weight sync, new prompts
@@ -116,8 +117,9 @@ def default_response_len(args) -> int:
 
 def fill_rollout_defaults(args) -> None:
     """The rollout flags left unset: the engine (vLLM where CUDA and vllm are), 2 reward processes per rank with
-    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async or partial rollouts, one
-    token per turn for --env lookup, and --precision auto (common/train/model.py's pick_precision)."""
+    vLLM and 1 with HF generate (which returns every response at once), TIS capped at 2 with async or partial rollouts,
+    --max-staleness 2 with both, one token per turn for --env lookup, and --precision auto (common/train/model.py's
+    pick_precision)."""
     args.rollout_engine = resolve_engine_kind(args.rollout_engine)
     if args.env == "lookup" and args.max_turn_len is None:
         args.max_turn_len = 1
@@ -126,6 +128,8 @@ def fill_rollout_defaults(args) -> None:
         args.reward_workers = 2 if args.rollout_engine == "vllm" else 1
     if (args.async_rollout or args.partial_rollouts) and getattr(args, "tis_cap", 0) is None:  # scripts whose
         args.tis_cap = 2.0  # loss uses importance ratios
+    if args.async_rollout and args.partial_rollouts and not given_on_command_line("max_staleness"):
+        args.max_staleness = 2  # in-flight updates: 1 would leave no response to continue in a later phase
 
 
 def check_rollout_args(args, num_trainers: int) -> None:

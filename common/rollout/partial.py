@@ -141,6 +141,8 @@ class GroupsInFlight:
             if weights is None or not max_over_ranks(float(weights.waiting()), device):
                 break  # (in-flight: no rank cut its generation for new weights, so every rank's phase is over)
             version, loads = weights.load(), loads + 1  # every rank, one version (the trainers broadcast it)
+            if weights.stopped:  # the trainers stopped (their state saved): they take no batch, so none is made
+                return [], {}, 0
             requests = [] if self.phase_over(step) else self.requests()
         rewards, timeouts = collect_rewards(scorer)  # every rank: by key, as scored
         for key, group_rewards in zip(sorted(scored), rewards):
@@ -167,7 +169,7 @@ class GroupsInFlight:
 
     def metrics(self, samples: list[dict], trainer_version: int, requests: int, continued: int, busy, device) -> dict:
         """Collective: how old the trained samples and tokens are (updates behind the trainer; a sample's age is its
-        first token's), the share of responses continued from an earlier phase, of this phase's requests that
+        first token's), the share of responses whose tokens span weight versions, of this phase's requests that
         continued a response, and of its time spent with fewer than LOW_BUSY of its requests running."""
         s = self.args.max_staleness
         sample_ages = [trainer_version - x["version"] for x in samples]

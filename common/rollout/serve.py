@@ -4,6 +4,7 @@ the weight-version schedule; common/rollout/rollouts.py the trainers' side)."""
 
 import collections
 import os
+import time
 
 import torch
 
@@ -22,6 +23,8 @@ from common.run.signals import install_stop_handlers, stop_agreed, stop_requeste
 from common.train.model import compute_dtype, decoder_layers, load_model, meta_model, save_model_config, stop_token_ids
 from common.train.moe import install_router_hooks
 from sharding.vllm_sync import weight_shapes
+
+LOOK_EVERY_S = 0.005  # in-flight updates: how often a generating rollout rank asks the store for a new version
 
 
 def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows: list[dict], device, output_dir: str,
@@ -99,18 +102,28 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
 
     class InFlightWeights:
         """GroupsInFlight.next_batch's view of the versions the trainers send while a phase generates."""
+        looked, seen = 0.0, False  # when the store was last asked (at most every LOOK_EVERY_S), what it said
+
         @property
         def version(self) -> int:
             return held
 
+        @property
+        def stopped(self) -> bool:
+            return stopped
+
         def waiting(self) -> bool:
             """Trainer 0 is sending a version (not one to evaluate: that waits for the phase's end) or STOP."""
-            header = None if stopped else next_header(placement)
-            return header is not None and (header == STOP or header not in to_evaluate)
+            if self.seen or stopped or time.monotonic() - self.looked < LOOK_EVERY_S:
+                return self.seen
+            self.looked = time.monotonic()
+            header = next_header(placement)
+            self.seen = header is not None and (header == STOP or header not in to_evaluate)
+            return self.seen
 
         def load(self) -> int:
             nonlocal stopped
-            stopped = not receive_through(versions[0])
+            stopped, self.looked, self.seen = not receive_through(versions[0]), 0.0, False
             return held
 
     def send(message: dict) -> None:

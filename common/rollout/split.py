@@ -19,11 +19,11 @@ the rollout ranks generate batch k + 1 while the trainers train on batch k. Both
 of versions the trainers send (`weight_versions`), so every message on the link pairs up without a handshake.
 
 In-flight updates (--async-rollout --partial-rollouts): a rollout phase starts from version max(start, k - 2), one
-batch ahead of the trainers, and takes every newer version as it comes, between two engine steps: trainer 0 counts
-each header in torchrun's store before it broadcasts it, and a rollout rank that sees the count above the headers it
-received cuts its running responses there, joins the broadcast, and continues them under the new weights
-(common/rollout/partial.py). Evaluated versions are taken at a phase's end only (an evaluation needs the engine to
-itself): the trainers wait for that phase.
+batch ahead of the trainers, and takes every newer version as it comes, between two engine steps: trainer 0 writes
+each header (its version, or STOP) in torchrun's store under its index before it broadcasts it, and a rollout rank
+that finds the next index there cuts its running responses, joins the broadcast, and continues them under the new
+weights (common/rollout/partial.py). Evaluated versions are taken at a phase's end only (an evaluation needs the
+engine to itself): the trainers wait for that phase.
 """
 
 import pickle
