@@ -28,8 +28,9 @@
 #
 # On the GPU machine (shared/device/README.md: the bundle in /tmp/site; shared/peers/verl/README.md: verl's parts in
 # /tmp/site_verl). Device calls, nvidia-h200-x2, back to back (a machine goes back 30 s after a call ends):
-#   here, from the project root, once: bash ../shared/device/make_bundle.sh; bash ../shared/peers/verl/make_verl_bundle.sh;
-#     mkdir -p .vb/verl && cp ../shared/peers/verl/* .vb/verl/   (the verl kit travels: its verl_log_summary.py)
+#   here, from the project root, once: bash ../shared/device/make_bundle.sh;
+#     bash ../shared/peers/verl/make_verl_bundle.sh; mkdir -p .vb/verl && cp ../shared/peers/verl/* .vb/verl/
+#     (the verl kit travels: its verl_log_summary.py parses verl's log)
 #   1-8.  carry [".vb/p00"] ... [".vb/p07"]:  bash .vb/p0N/recv.sh                                  (~1 min in all)
 #   9.    carry [".vb/v00"]:                  bash .vb/v00/recv_verl.sh
 #   10.   carry [".vb/v01", ".vb/verl"]:      bash .vb/v01/recv_verl.sh && bash scripts/peer_long.sh prep  (~2-3 min)
@@ -55,7 +56,8 @@ PAIR=${PAIR:-async}; STEPS=${STEPS:-5}; AC=${AC:-1}; LIM=${LIM:-560}; GPU_MEM=${
 WORK=${WORK:-/tmp/peer_long}; OUT=${OUT:-/tmp/peer_long_out}
 NANORL_PYTHONPATH=${NANORL_PYTHONPATH:-/tmp/site}; VERL_PYTHONPATH=${VERL_PYTHONPATH:-/tmp/site_verl:/tmp/site}
 KIT=${VERL_KIT:-.vb/verl}; [ -f "$KIT/verl_log_summary.py" ] || KIT=../shared/peers/verl
-MODEL=$WORK/qwen1.5b_stop2000; VERL_MODEL=$WORK/qwen1.5b_stop2000_verl; DATA=$WORK/verl_data; REWARD=$WORK/long_reward.py
+MODEL=$WORK/qwen1.5b_stop2000; VERL_MODEL=$WORK/qwen1.5b_stop2000_verl
+DATA=$WORK/verl_data; REWARD=$WORK/long_reward.py
 RES=$WORK/$PAIR  # this pair's results, kept on the machine between calls; each stage copies them to $OUT/$PAIR
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
@@ -216,8 +218,8 @@ run_verl() {
     start=$(date +%s.%N)
     # The kit's environment (run_verl_grpo.sh): a fresh local Ray without its dashboard or OOM killer (which reads a
     # MemTotal that grows with use on these machines); each line stamped with the seconds since launch.
-    (unset RAY_ADDRESS; CUDA_VISIBLE_DEVICES=$VERL_GPUS PYTHONPATH=$VERL_PYTHONPATH HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 \
-        TRL_EXPERIMENTAL_SILENCE=1 RAY_memory_monitor_refresh_ms=0 \
+    (unset RAY_ADDRESS; CUDA_VISIBLE_DEVICES=$VERL_GPUS PYTHONPATH=$VERL_PYTHONPATH HYDRA_FULL_ERROR=1 \
+        RAY_DEDUP_LOGS=0 TRL_EXPERIMENTAL_SILENCE=1 RAY_memory_monitor_refresh_ms=0 \
         timeout -k 20 "$LIM" python3 -m verl.trainer.main_ppo "${VERL_ARGS[@]}") 2>&1 \
         | python3 -u -c 'import sys, time
 t0 = float(sys.argv[1])
@@ -250,9 +252,10 @@ both() {  # at the same time where the two sets of GPUs differ, else one after t
 
 report() {
     mkdir -p "$RES"
-    printf '{"pair": "%s", "steps": %s, "activation_checkpointing": %s, "nanorl_gpus": "%s", "verl_gpus": "%s", "gpu": "%s"}\n' \
-        "$PAIR" "$STEPS" "$([ "$AC" = 1 ] && echo true || echo false)" "$NANORL_GPUS" "$VERL_GPUS" \
-        "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" > "$RES/setup.json"
+    local gpu; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    printf '{"pair": "%s", "steps": %s, "activation_checkpointing": %s, "nanorl_gpus": "%s", "verl_gpus": "%s", ' \
+        "$PAIR" "$STEPS" "$([ "$AC" = 1 ] && echo true || echo false)" "$NANORL_GPUS" "$VERL_GPUS" > "$RES/setup.json"
+    printf '"gpu": "%s"}\n' "$gpu" >> "$RES/setup.json"
     python3 scripts/peer_long.py summary "$RES" "$RES/peer_long.json"
 }
 
