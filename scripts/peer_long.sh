@@ -159,7 +159,8 @@ prep() {
         --stop-every 2000 --out "$MODEL" || return 1
     PYTHONPATH=$NANORL_PYTHONPATH python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_async
 print(bench_async.REWARD)" > "$REWARD" || return 1
-    PYTHONPATH=$NANORL_PYTHONPATH python3 scripts/peer_long.py verl-data "$MODEL" "$DATA" || return 1
+    PYTHONPATH=$NANORL_PYTHONPATH python3 scripts/peer_long.py verl-data "$MODEL" "$DATA" \
+        --batches $(( STEPS + 20 > 100 ? STEPS + 20 : 100 )) || return 1  # more than any run here takes
     # verl's tokenizer is saved by the transformers verl runs with (5.9), which loads it back
     PYTHONPATH=$VERL_PYTHONPATH python3 scripts/peer_long.py verl-model "$MODEL" "$VERL_MODEL" || return 1
     echo "== prep: verl's environment"
@@ -189,8 +190,17 @@ EOF
     echo "== prep done ($(date +%T)): next, PAIR=$PAIR bash scripts/peer_long.sh both"
 }
 
+prepared() {  # a fresh machine (the device tool's go back when idle) has none of prep's files
+    if ! [ -f "$MODEL/config.json" ] || ! [ -f "$VERL_MODEL/tokenizer_config.json" ] || ! [ -f "$DATA/train.parquet" ]
+    then
+        echo "no $MODEL, $VERL_MODEL or $DATA on this machine: run bash scripts/peer_long.sh prep first"
+        return 1
+    fi
+}
+
 run_nanorl() {
     mkdir -p "$RES"
+    prepared || return 1
     echo "== nanorl ($PAIR) on GPU $NANORL_GPUS: torchrun --nproc_per_node $NPROC ${NANORL_ARGS[*]}"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -i "$NANORL_GPUS" -l 1 \
         > "$RES/mem_nanorl.csv" 2>/dev/null & local smi=$!
@@ -211,6 +221,7 @@ run_verl() {
         PYTHONPATH=$VERL_PYTHONPATH python3 -m verl.trainer.main_ppo --cfg job "${VERL_ARGS[@]}"
         return $?
     fi
+    prepared || return 1
     local log=$RES/verl.log start rc
     echo "== verl ($PAIR) on GPU $VERL_GPUS: python3 -m verl.trainer.main_ppo ${VERL_ARGS[*]}" | tee "$log"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -i "$VERL_GPUS" -l 1 \
