@@ -21,6 +21,7 @@ NOT_IN_CPU_INSTALL = {
     "torch",  # installed first, on its own line: a CPU build here (torch==2.13.0), vLLM's CUDA build on GPUs
     "vllm",  # the GPU rollout engine: `pip install vllm==0.26.0 -r requirements.txt` (requirements.txt's comment)
     "trl",  # the peer benchmark's (benchmarks of nanorl against TRL on a GPU machine), never nanorl's own code
+    "verl",  # the other peer's: scripts/peer_long.py checks verl's own environment with it, on a GPU machine
 }
 
 
