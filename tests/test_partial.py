@@ -8,6 +8,8 @@ import math
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -165,11 +167,12 @@ def test_split_partial_run_keeps_staleness_across_a_resume(tmp_path, mode):
     rows = metric_rows(tmp_path / "run")
     steps = [r for r in rows if "rollout/sample_age_max" in r]
     assert [r["step"] for r in steps][-3:] == [5, 6, 7]
-    assert all(r["rollout/sample_age_max"] <= 2 and r["rollout/staleness_max"] <= 2 for r in steps)
-    assert max(r["rollout/continued_frac"] for r in steps) > 0
-    assert sorted(r["eval/version"] for r in rows if "eval/version" in r) == [0, 3, 6, 7]  # each due, once
-    if mode == "in-flight":
-        assert sum(r["rollout/weight_loads"] for r in steps) > 0
+    assert all(r["rollout/sample_age_max"] <= 2 and r["rollout/staleness_max"] <= 2 for r in steps), steps
+    assert sorted(r["eval/version"] for r in rows if "eval/version" in r) == [0, 3, 6, 7], rows  # each due, once
+    # (Synchronously the phases' cuts are a function of the seed; in flight they depend on when versions arrive,
+    # so whether a response spans versions is not asserted there: the in-flight phase's test above is exact.)
+    if mode == "synchronous":
+        assert max(r["rollout/continued_frac"] for r in steps) > 0
 
 
 @pytest.mark.faults  # a signal to the whole launch: the fault-tolerance step (pytest.ini)
@@ -284,6 +287,17 @@ def test_ppo_runs_partial_rollouts_with_each_correction(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         steps = [r for r in metric_rows(out) if r["step"] > 0]
         assert len(steps) == 4 and all(r["rollout/sample_age_max"] <= 2 and "tis/weight_mean" in r for r in steps)
+    # Each phase's trace, engine step by step (HF: one point per decode step), and its plot
+    traces = [json.loads(line) for line in open(tmp_path / "icepop" / "rollout_busy.jsonl")]
+    assert [t["step"] for t in traces] == [1, 2, 3, 4]
+    for t in traces:
+        seconds, running = [x for x, _ in t["busy"]], [n for _, n in t["busy"]]
+        assert seconds == sorted(seconds) and running == sorted(running, reverse=True)
+        assert all(n <= t["requests"] for n in running)  # (a phase whose groups were all done holds no point)
+    assert any(t["busy"] for t in traces)
+    subprocess.run([sys.executable, "scripts/plot_busy.py", str(tmp_path / "mis"), str(tmp_path / "icepop"), "--step",
+                    "3", "--out", str(tmp_path / "busy.png")], check=True, timeout=120)
+    assert (tmp_path / "busy.png").stat().st_size > 0
 
 
 class Versions:

@@ -22,6 +22,7 @@ advantages weigh its members alike, as in a synchronous step. With --max-stalene
 batch and must finish it: a synchronous step, from the same prompts.
 """
 
+import json
 from dataclasses import dataclass, field
 
 from common.rollout.completion import Completion, Request
@@ -55,6 +56,15 @@ class Group:
         return all(r.done for r in self.responses)
 
 
+def append_busy(path: str, step: int, busy: list[tuple[float, int]], requests: int, points: int = 200) -> None:
+    """Adds one rollout's trace to path (rollout_busy.jsonl in the run directory; scripts/plot_busy.py draws it):
+    [seconds, requests still running] after each engine step, at most `points` of them, evenly spaced."""
+    every = max(1, -(-len(busy) // points))
+    kept = busy[::every] + ([busy[-1]] if busy and (len(busy) - 1) % every else [])
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "requests": requests, "busy": [[round(t, 4), n] for t, n in kept]}) + "\n")
+
+
 def low_busy_seconds(busy: list[tuple[float, int]], requests: int) -> tuple[float, float]:
     """(seconds with fewer than LOW_BUSY of the `requests` still running, seconds in all) of a generation whose
     engine steps ended at busy[i][0] seconds with busy[i][1] requests still running."""
@@ -71,6 +81,7 @@ class GroupsInFlight:
         self.groups: list[Group] = []  # in admission order, which is deadline order
         self.next_key = 0
         self.dropped = 0  # responses saved in flight that a resume could not continue
+        self.busy = ([], 0)  # the last phase's [(seconds, requests running)] and its requests
 
     def deadline(self, group: Group) -> int:
         return group.admitted + self.args.max_staleness
@@ -154,6 +165,7 @@ class GroupsInFlight:
                         finished=r.finished, reward=reward, version=r.versions[0][0] if r.versions else version,
                         versions=r.versions)
                    for g in batch for r, reward in zip(g.responses, g.rewards)]
+        self.busy = (busy, counted)  # the phase's trace, for rollout_busy.jsonl
         metrics = self.metrics(samples, step - 1, counted, continued, busy, device)
         if weights is not None:
             metrics["rollout/weight_loads"] = loads

@@ -27,7 +27,7 @@ from common.rollout.args import sequences_at_once, wants_episodes
 from common.rollout.engines import make_rollout_engine
 from common.rollout.episodes import MultiTurn
 from common.rollout.generate import episode_metrics, evaluate, sample_batch, scored_samples
-from common.rollout.partial import GroupsInFlight, low_busy_seconds
+from common.rollout.partial import GroupsInFlight, append_busy, low_busy_seconds
 from common.rollout.rewards import RewardScorer
 from common.rollout.split import (check_shapes, close_link, generation_lag, in_flight_updates, recv_object,
                                   send_header, send_weights, staleness_metrics, stop_rollout_ranks, weight_versions)
@@ -64,6 +64,7 @@ class Rollouts:
                                      placement.world, args.seed)
         self.version = start_step  # the policy's version: updates made
         self.in_flight = None  # --partial-rollouts, colocated: this rank's groups kept across steps (partial.py)
+        self.busy_path = os.path.join(output_dir, "rollout_busy.jsonl")  # rank 0's rollouts, engine step by step
         use_packed_attention(policy, device)  # training runs on packed rows
 
     def start(self) -> dict[str, float]:
@@ -150,6 +151,8 @@ class ColocatedRollouts(Rollouts):
                 samples, phase, timeouts = self.in_flight.next_batch(self.engine, self.scorer, self.tokenizer,
                                                                      self.sampler, step, self.device)
             self._after_rollout()
+            if self.placement.rank == 0:
+                append_busy(self.busy_path, step, *self.in_flight.busy)
             return samples, {**metrics, **phase, "reward/timeouts": all_reduce_sum([timeouts], self.device)[0]}
         prompts = self.sampler.next_batch()
         with self.timer("rollout"):  # rewards are scored meanwhile, each group as soon as it is complete
@@ -157,6 +160,8 @@ class ColocatedRollouts(Rollouts):
         if getattr(self.engine, "busy", None) and self.multi_turn is None:  # vLLM: the time its tail held the GPU
             low, seconds = low_busy_seconds(self.engine.busy, len(prompts) * self.args.group_size)
             metrics["perf/rollout_low_busy_frac"] = low / seconds if seconds else 0.0
+            if self.placement.rank == 0:
+                append_busy(self.busy_path, step, self.engine.busy, len(prompts) * self.args.group_size)
         self._after_rollout()
         with self.timer("reward"):  # what scoring adds after generation; a failure anywhere stops every rank
             samples, timeouts = scored_samples(prompts, outputs, self.scorer, self.multi_turn, version=step - 1)

@@ -13,7 +13,7 @@ from common.rollout.args import sequences_at_once, wants_episodes
 from common.rollout.engines import make_rollout_engine
 from common.rollout.episodes import MultiTurn
 from common.rollout.generate import evaluate, sample_batch, scored_samples
-from common.rollout.partial import GroupsInFlight
+from common.rollout.partial import GroupsInFlight, append_busy
 from common.rollout.rewards import RewardScorer
 from common.rollout.split import (STOP, behaviour_version, close_link, eval_versions, generation_lag, in_flight_updates,
                                   load_into_module, next_header, recv_header, recv_weights, send_object, weight_versions)
@@ -146,6 +146,8 @@ def serve_rollouts(args, placement, tokenizer, train_rows: list[dict], eval_rows
             with timer("generate"):
                 samples, phase, reward_timeouts = groups.next_batch(engine, scorer, tokenizer, sampler, step, device,
                                                                     InFlightWeights() if in_flight else None)
+            if placement.rank == 0 and not stopped:
+                append_busy(os.path.join(output_dir, "rollout_busy.jsonl"), step, *groups.busy)
         else:
             prompts = sampler.next_batch()
             with timer("generate"):
