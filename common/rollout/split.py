@@ -161,8 +161,9 @@ def weight_versions(start_step: int, steps: int, max_staleness: int, eval_every:
     """Versions the trainers send, in order: the starting weights (the rollout engine holds none of its own), each
     version a later batch is generated with (in_flight: every version a later batch could use: each one the
     trainers make before the last), and each version to be evaluated."""
-    needed = set(range(start_step, steps)) if in_flight else \
-        {behaviour_version(k, start_step, max_staleness) for k in range(start_step + 1, steps + 1)}
+    needed = {behaviour_version(k, start_step, max_staleness) for k in range(start_step + 1, steps + 1)}
+    if in_flight:
+        needed = set(range(start_step, steps))
     return sorted(needed | set(eval_versions(start_step, steps, eval_every)) | {start_step})
 
 
@@ -219,18 +220,9 @@ def send_header(placement: Placement, version: int, device: torch.device) -> Non
     """Trainer 0: announces the version whose buckets follow (the receivers check it against their schedule); it is
     written in the store first, where rollout ranks that are generating look for it (in-flight updates)."""
     if placement.on_link:
-        announce(placement, version)
+        placement.store.set(f"nanorl_header_{placement.headers}", str(version))
+        placement.headers += 1
         placement.weights_link.broadcast(torch.tensor([version], dtype=torch.int64, device=device), 0).wait()
-
-
-def announce(placement: Placement, header: int) -> None:
-    """Trainer 0, before it broadcasts a header: writes it in the store under its index (next_header reads it)."""
-    placement.store.set(_header_key(placement.headers), str(header))
-    placement.headers += 1
-
-
-def _header_key(index: int) -> str:
-    return f"nanorl_header_{index}"
 
 
 def recv_header(placement: Placement, device: torch.device) -> int:
@@ -242,7 +234,7 @@ def recv_header(placement: Placement, device: torch.device) -> int:
 
 def next_header(placement: Placement) -> int | None:
     """Rollout ranks, without waiting: the header trainer 0 is sending them (a version or STOP), None if none yet."""
-    key = _header_key(placement.headers)
+    key = f"nanorl_header_{placement.headers}"
     return int(placement.store.get(key)) if placement.store.check([key]) else None
 
 
@@ -254,7 +246,7 @@ def stop_rollout_ranks(placement: Placement, device: torch.device) -> None:
         return
     # Not waited for yet: a rollout rank may first have to finish sending a batch, which only completes once it is
     # received below.
-    announce(placement, STOP)
+    placement.store.set(f"nanorl_header_{placement.headers}", str(STOP))
     header = placement.weights_link.broadcast(torch.tensor([STOP], dtype=torch.int64, device=device), 0)
     for r in range(placement.num_rollout):
         while recv_object(placement.samples_link, 1 + r)["step"] not in ("stopped", None):
